@@ -1,0 +1,59 @@
+"""graphattn: pluggable paged attention, piecewise torch.compile and CUDA graphs for LLM-style models.
+
+engine = ga.compile(model, cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=128)
+out = engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [7])]))
+"""
+
+from graphattn.api import compile
+from graphattn.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    register_backend,
+)
+from graphattn.batch import Batch, Request
+from graphattn.capture.mode import CUDAGraphMode
+from graphattn.config import CompileConfig
+from graphattn.engine import CompiledModel
+from graphattn.errors import (
+    BackendSelectionError,
+    ConfigError,
+    FallbackWarning,
+    GraphAttnError,
+    InvalidBatchError,
+    InvalidInputError,
+    OutOfBlocksError,
+    UnsupportedModeError,
+)
+from graphattn.report import EngineStats, Report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionCGSupport",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "BackendSelectionError",
+    "Batch",
+    "CUDAGraphMode",
+    "CommonAttentionMetadata",
+    "CompileConfig",
+    "CompiledModel",
+    "ConfigError",
+    "EngineStats",
+    "FallbackWarning",
+    "GraphAttnError",
+    "InvalidBatchError",
+    "InvalidInputError",
+    "OutOfBlocksError",
+    "Report",
+    "Request",
+    "UnsupportedModeError",
+    "compile",
+    "register_backend",
+]

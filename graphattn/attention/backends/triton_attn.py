@@ -1,0 +1,1 @@
+"""TRITON: the production backend (kernels in graphattn.kernels); filled in by the Triton issue."""

@@ -1,0 +1,74 @@
+"""The per-step attention state the custom ops read: layers, metadata, slot mappings, mode."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphattn.capture.mode import CUDAGraphMode
+from graphattn.errors import ForwardContextError
+
+
+@dataclass
+class ForwardContext:
+    """What one step's attention ops need; set by the runner around the model call.
+
+    ``layers`` is static for an engine (layer name -> ``Attention`` module, whose
+    ``kv_cache`` is the layer's cache tensor). ``attn_metadata`` and ``slot_mapping`` map
+    every layer name to its group's object for this step; both are None in a profile run.
+    """
+
+    layers: Mapping[str, Any]
+    attn_metadata: Mapping[str, Any] | None = None
+    slot_mapping: Mapping[str, torch.Tensor] | None = None
+    batch_descriptor: Any = None
+    runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
+
+    def layer(self, name: str) -> Any:
+        try:
+            return self.layers[name]
+        except KeyError:
+            raise ForwardContextError(
+                f"attention layer {name!r} is not part of the running engine "
+                f"(known: {sorted(self.layers)[:8]}...)"
+            ) from None
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    """The context of the step in progress; an error outside ``set_forward_context``."""
+    if _current is None:
+        raise ForwardContextError(
+            "a graphattn attention op ran outside a forward context; run the model through "
+            "engine.step(batch) (or wrap the call in set_forward_context)"
+        )
+    return _current
+
+
+def is_forward_context_set() -> bool:
+    return _current is not None
+
+
+@contextmanager
+def set_forward_context(
+    attn_metadata: Mapping[str, Any] | None,
+    batch_descriptor: Any = None,
+    runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    *,
+    layers: Mapping[str, Any],
+    slot_mapping: Mapping[str, torch.Tensor] | None = None,
+) -> Iterator[ForwardContext]:
+    """Make a context current for the ``with`` block; the previous one is restored after."""
+    global _current
+    previous = _current
+    _current = ForwardContext(layers, attn_metadata, slot_mapping, batch_descriptor, runtime_mode)
+    try:
+        yield _current
+    finally:
+        _current = previous

@@ -1,0 +1,71 @@
+"""The custom ops the model is split at: ``graphattn::unified_attention_with_output`` and
+``graphattn::unified_kv_cache_update``.
+
+They take only tensors and the layer name, so Dynamo and Inductor see an opaque call with
+a fake (meta) implementation; the real implementation finds the layer, its KV cache and
+its metadata through the forward context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphattn.attention.forward_context import get_forward_context
+
+_lib = torch.library.Library("graphattn", "FRAGMENT")
+
+# The KV-cache update returns an empty tensor that the attention op takes as input: a data
+# dependency that keeps the update alive and ordered before attention through Dynamo's and
+# Inductor's dead-code elimination (the cache itself is not an argument of either op).
+_lib.define("unified_kv_cache_update(Tensor key, Tensor value, str layer_name) -> Tensor")
+_lib.define(
+    "unified_attention_with_output(Tensor query, Tensor key, Tensor value, Tensor(a!) output, "
+    "str layer_name, Tensor? kv_cache_dep=None) -> ()"
+)
+
+
+def _kv_cache_update(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
+    ctx = get_forward_context()
+    if ctx.slot_mapping is not None:
+        layer = ctx.layer(layer_name)
+        slot_mapping = ctx.slot_mapping[layer_name]
+        layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slot_mapping)
+    return key.new_empty(0)
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+    kv_cache_dep: torch.Tensor | None = None,
+) -> None:
+    ctx = get_forward_context()
+    layer = ctx.layer(layer_name)
+    metadata = None if ctx.attn_metadata is None else ctx.attn_metadata[layer_name]
+    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output)
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("unified_kv_cache_update", _kv_cache_update, _key)
+    _lib.impl("unified_attention_with_output", _attention, _key)
+
+
+@torch.library.register_fake("graphattn::unified_kv_cache_update")
+def _kv_cache_update_fake(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return key.new_empty(0)
+
+
+@torch.library.register_fake("graphattn::unified_attention_with_output")
+def _attention_fake(query, key, value, output, layer_name, kv_cache_dep=None) -> None:
+    return None
+
+
+ATTENTION_OP = torch.ops.graphattn.unified_attention_with_output.default
+KV_CACHE_UPDATE_OP = torch.ops.graphattn.unified_kv_cache_update.default
+# What the piecewise compiler splits at unless the config names other ops.
+DEFAULT_SPLITTING_OPS = (
+    "graphattn::unified_attention_with_output",
+    "graphattn::unified_kv_cache_update",
+)

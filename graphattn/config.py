@@ -1,0 +1,146 @@
+"""CompileConfig: every start-up setting of an engine, frozen and validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphattn import envs
+from graphattn.capture.mode import CUDAGraphMode
+from graphattn.errors import ConfigError
+
+_DTYPES = {
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+COMPILE_BACKENDS = ("inductor", "eager", "none")
+
+
+def parse_dtype(value: torch.dtype | str | None, what: str) -> torch.dtype | None:
+    """A torch float dtype from a dtype or its name; None stays None."""
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and value not in _DTYPES.values():
+            raise ConfigError(f"{what} must be float16, bfloat16 or float32, got {value}")
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.lower().removeprefix("torch.")]
+    raise ConfigError(f"{what} must be one of {sorted(_DTYPES)} or a torch dtype, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How ``ga.compile`` builds an engine. Every field is checked in ``__post_init__``.
+
+    Sizes:
+        max_num_seqs: most requests in one step.
+        max_num_tokens: most tokens (summed over requests) in one step.
+        max_model_len: most tokens in one request (computed plus new).
+        block_size: tokens per KV-cache block as the caller's block ids count them.
+        num_blocks: blocks in the KV cache of every layer.
+    Numerics:
+        dtype: activation dtype; None takes the model's parameter dtype.
+        kv_cache_dtype: "auto" (the activation dtype) or a float dtype name.
+    Attention:
+        attention_backend: a registered backend name for every layer, or None to select.
+    Compilation and graphs:
+        cudagraph_mode: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE.
+        cudagraph_capture_sizes: batch sizes (tokens) to capture; None takes the default list.
+        compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace).
+        compile_sizes: token counts that also get a specialised Inductor build.
+        splitting_ops: op names to split the traced graph at; None takes the attention ops.
+        cache_dir: compile cache folder; None takes ``$GRAPHATTN_CACHE_DIR`` or the user cache.
+        debug_dump_path: folder for decompiled code, graphs and Inductor output.
+    Behaviour:
+        strict: raise instead of lowering the mode (a fallback becomes an error).
+        debug: extra checks (input addresses at replay, recompiles raise).
+        seed: seed for the example prompts of the demo and benchmark.
+    """
+
+    max_num_seqs: int = 128
+    max_num_tokens: int = 4096
+    max_model_len: int = 8192
+    block_size: int = 16
+    num_blocks: int = 1024
+    dtype: torch.dtype | str | None = None
+    kv_cache_dtype: str = "auto"
+    attention_backend: str | None = None
+    cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.NONE
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    compile_backend: str = "none"
+    compile_sizes: tuple[int, ...] = ()
+    splitting_ops: tuple[str, ...] | None = None
+    cache_dir: str | None = None
+    debug_dump_path: str | None = None
+    strict: bool = False
+    debug: bool = field(default_factory=envs.debug)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_tokens", "max_model_len", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        self._set("dtype", parse_dtype(self.dtype, "dtype"))
+        if self.kv_cache_dtype != "auto":
+            parse_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        try:
+            self._set("cudagraph_mode", CUDAGraphMode.parse(self.cudagraph_mode))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError(
+                f"compile_backend must be one of {COMPILE_BACKENDS}, got {self.compile_backend!r}"
+            )
+        self._set("compile_sizes", _positive_sizes(self.compile_sizes, "compile_sizes"))
+        if self.cudagraph_capture_sizes is not None:
+            sizes = _positive_sizes(self.cudagraph_capture_sizes, "cudagraph_capture_sizes")
+            self._set("cudagraph_capture_sizes", sizes)
+        if self.splitting_ops is not None:
+            if isinstance(self.splitting_ops, str) or not all(
+                isinstance(op, str) for op in self.splitting_ops
+            ):
+                raise ConfigError(
+                    f"splitting_ops must be a list of op names, got {self.splitting_ops!r}"
+                )
+            self._set("splitting_ops", tuple(self.splitting_ops))
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a request's block table: enough blocks for ``max_model_len`` tokens."""
+        return -(-self.max_model_len // self.block_size)
+
+    def replace(self, **changes: Any) -> CompileConfig:
+        """A copy with ``changes`` applied and validated again."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, config: CompileConfig | None, **overrides: Any) -> CompileConfig:
+        """``config`` (or the defaults) with keyword overrides; an unknown key is an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown CompileConfig field(s) {unknown}; known: {sorted(known)}")
+        base = config if config is not None else cls()
+        return dataclasses.replace(base, **overrides) if overrides else base
+
+
+def _positive_sizes(sizes: Any, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sizes)
+    except TypeError:
+        raise ConfigError(f"{name} must be a list of positive ints, got {sizes!r}") from None
+    bad = [s for s in values if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+    if bad:
+        raise ConfigError(f"{name} must hold positive ints, got {bad}")
+    return values

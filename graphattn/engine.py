@@ -1,0 +1,245 @@
+"""``CompiledModel``: the start-up sequence and the per-step entry points of an engine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from graphattn._logging import logger
+from graphattn.attention.groups import AttentionGroup, build_attention_groups
+from graphattn.attention.layer import Attention
+from graphattn.attention.registry import select_backend
+from graphattn.batch import Batch
+from graphattn.capture.mode import CUDAGraphMode
+from graphattn.config import CompileConfig, parse_dtype
+from graphattn.errors import ConfigError, InvalidInputError, UnsupportedModeError
+from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
+from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
+from graphattn.runner import ModelRunner
+from graphattn.validation import BatchLimits
+
+
+class CompiledModel:
+    """A model made into an engine: backends selected, KV cache allocated, modes resolved.
+
+    ``step(batch)`` runs one forward step; ``generate(prompts, max_new_tokens)`` decodes
+    greedily with continuous batching. ``report`` says what start-up decided; ``stats``
+    counts what steps did; ``kv_cache`` owns the cache tensors and the block allocator.
+    """
+
+    def __init__(self, model: nn.Module, config: CompileConfig) -> None:
+        start = time.perf_counter()
+        self.model = model
+        self.config = config
+        self.device, self.dtype = _device_and_dtype(model, config)
+        self.kv_cache_dtype = (
+            self.dtype
+            if config.kv_cache_dtype == "auto"
+            else parse_dtype(config.kv_cache_dtype, "kv_cache_dtype")
+        )
+        self.layers = find_attention_layers(model)
+        self._select_backends()
+        self.kv_cache, self.attn_groups = self._allocate_kv_cache()
+        self.requested_mode = config.cudagraph_mode
+        self.resolved_mode = self._resolve_mode()
+        self.stats = EngineStats()
+        self.runner = ModelRunner(
+            self.model,
+            dict(self.layers),
+            self.kv_cache.groups,
+            self.attn_groups,
+            self._limits(),
+            self.device,
+            stats=self.stats,
+        )
+        self.report = self._make_report(time.perf_counter() - start)
+        logger.info("graphattn engine ready:\n%s", self.report)
+
+    # -- per step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> torch.Tensor:
+        """One forward step; returns the model's output rows for the batch's tokens, in the
+        order the requests were given. A rejected batch changes nothing.
+        """
+        return self.runner.execute(batch)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's ``compute_logits`` (``[T, H] -> [T, V]``)."""
+        if not hasattr(self.model, "compute_logits"):
+            raise InvalidInputError(
+                f"{type(self.model).__name__} has no compute_logits(hidden); generate needs one"
+            )
+        return self.model.compute_logits(hidden)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+    ) -> list[list[int]]:
+        """Greedy decoding of every prompt with continuous batching; returns new tokens per prompt."""
+        from graphattn.generation import generate
+
+        return generate(self, prompts, max_new_tokens, eos_token_id=eos_token_id)
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def _select_backends(self) -> None:
+        self.selected_by: dict[str, str] = {}
+        for name, layer in self.layers.items():
+            requested = layer.requested_backend or self.config.attention_backend
+            cfg = layer.selector_config(
+                self.dtype, self.kv_cache_dtype, self.config.block_size, self.device.type
+            )
+            layer.set_backend(select_backend(cfg, requested), self.kv_cache_dtype)
+            self.selected_by[name] = (
+                "layer" if layer.requested_backend else "config" if requested else "auto"
+            )
+
+    def _allocate_kv_cache(self) -> tuple[KVCache, list[AttentionGroup]]:
+        specs = {
+            n: layer.get_kv_cache_spec(self.config.block_size, self.kv_cache_dtype)
+            for n, layer in self.layers.items()
+        }
+        kernel_sizes = {
+            n: layer.attn_backend.get_supported_kernel_block_sizes()
+            for n, layer in self.layers.items()
+        }
+        kv_groups = group_layers_by_spec(specs, kernel_sizes)
+
+        def shape_of(name: str, group: KVCacheGroup, kernel_blocks: int) -> tuple[int, ...]:
+            return self.layers[name].attn_backend.get_kv_cache_shape(
+                kernel_blocks,
+                group.kernel_block_size,
+                group.spec.num_kv_heads,
+                group.spec.head_size,
+            )
+
+        kv_cache = KVCache(kv_groups, self.config.num_blocks, shape_of, self.device)
+        for name, layer in self.layers.items():
+            layer.kv_cache = kv_cache.tensors[name]
+        groups = build_attention_groups(kv_groups, self.layers)
+        for group in groups:
+            builder_cls = group.backend.get_builder_cls()
+            group.builder = builder_cls(
+                group.kv_cache_group.spec, group.layer_names, self.config, self.device
+            )
+            group.cudagraph_support = builder_cls.get_cudagraph_support(
+                self.config, group.kv_cache_group.spec
+            )
+        return kv_cache, groups
+
+    def _resolve_mode(self) -> CUDAGraphMode:
+        mode = self.config.cudagraph_mode
+        if mode != CUDAGraphMode.NONE:
+            raise UnsupportedModeError(
+                f"cudagraph_mode={mode} is not supported yet: this build runs the model eagerly "
+                "(cudagraph_mode='NONE')"
+            )
+        if self.config.compile_backend != "none":
+            raise UnsupportedModeError(
+                f"compile_backend={self.config.compile_backend!r} is not supported yet; use 'none'"
+            )
+        return mode
+
+    def _limits(self) -> BatchLimits:
+        c = self.config
+        vocab = getattr(self.model, "vocab_size", None)
+        return BatchLimits(
+            c.max_num_seqs,
+            c.max_num_tokens,
+            c.max_model_len,
+            c.block_size,
+            c.num_blocks,
+            vocab if isinstance(vocab, int) else None,
+        )
+
+    def _make_report(self, seconds: float) -> Report:
+        group_of = {n: g.group_id for g in self.attn_groups for n in g.layer_names}
+        layers = [
+            LayerInfo(
+                n,
+                layer.attn_backend.get_name(),
+                group_of[n],
+                self.selected_by[n],
+                layer.selection.rejected,
+            )
+            for n, layer in self.layers.items()
+        ]
+        groups = [
+            GroupInfo(
+                g.group_id,
+                g.backend.get_name(),
+                g.kv_cache_group.group_id,
+                g.kv_cache_group.spec.describe(),
+                g.num_heads,
+                g.kv_cache_group.kernel_block_size,
+                list(g.layer_names),
+                g.cudagraph_support.name,
+            )
+            for g in self.attn_groups
+        ]
+        kv = {
+            "num_blocks": self.kv_cache.num_blocks,
+            "block_size": self.kv_cache.block_size,
+            "MiB": round(self.kv_cache.nbytes / 2**20, 1),
+        }
+        return Report(
+            str(self.device),
+            str(self.dtype).removeprefix("torch."),
+            str(self.requested_mode),
+            str(self.resolved_mode),
+            layers,
+            groups,
+            kv_cache=kv,
+            startup_seconds=seconds,
+        )
+
+
+def find_attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """Every ``ga.Attention`` in ``model`` by its layer name (its ``prefix``), in module order."""
+    layers: dict[str, Attention] = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.layer_name in layers:
+                raise ConfigError(
+                    f"two attention layers share the name {module.layer_name!r}; give each "
+                    "ga.Attention a unique prefix"
+                )
+            layers[module.layer_name] = module
+    if not layers:
+        raise ConfigError(
+            f"{type(model).__name__} has no ga.Attention layer; graphattn serves models whose "
+            "attention goes through ga.Attention"
+        )
+    return layers
+
+
+def _device_and_dtype(model: nn.Module, config: CompileConfig) -> tuple[torch.device, torch.dtype]:
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise InvalidInputError(
+            f"the model's parameters are spread over {sorted(map(str, devices))}; "
+            "move the model to one device"
+        )
+    device = params[0].device if params else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtypes = {p.dtype for p in params}
+    model_dtype = params[0].dtype if len(dtypes) == 1 else None
+    dtype = config.dtype or model_dtype or torch.get_default_dtype()
+    if model_dtype is not None and dtype != model_dtype:
+        raise InvalidInputError(
+            f"dtype={dtype} was asked for but the model's parameters are {model_dtype}; "
+            f"convert the model first (model.to({dtype}))"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"the model is on {device}; graphattn runs on cpu or cuda")
+    return device, dtype

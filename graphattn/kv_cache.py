@@ -1,0 +1,199 @@
+"""The paged KV cache: specs, groups of layers, per-layer tensors, the block allocator and kernel blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphattn.errors import ConfigError, OutOfBlocksError
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """What one layer keeps per cached token: keys and values of ``num_kv_heads`` heads."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer, keys and values together."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return (
+            f"full(kv_heads={self.num_kv_heads}, head={self.head_size}, {_dtype_name(self.dtype)})"
+        )
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """A layer that attends only to the last ``sliding_window`` tokens (itself included)."""
+
+    sliding_window: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"sliding(window={self.sliding_window}, kv_heads={self.num_kv_heads}, "
+            f"head={self.head_size}, {_dtype_name(self.dtype)})"
+        )
+
+
+KVCacheSpec = FullAttentionSpec  # the base class names the protocol every spec follows
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers with one KV-cache spec; they share a block table and a ``CommonAttentionMetadata``.
+
+    ``kernel_block_size`` is the block size the group's kernels address; when it is smaller
+    than the manager's ``spec.block_size`` the block table is rewritten into kernel blocks.
+    """
+
+    group_id: int
+    spec: FullAttentionSpec
+    layer_names: tuple[str, ...]
+    kernel_block_size: int
+
+    @property
+    def blocks_per_kernel_block(self) -> int:
+        """How many kernel blocks make one manager block (1 when they are the same size)."""
+        return self.spec.block_size // self.kernel_block_size
+
+
+def group_layers_by_spec(
+    layer_specs: Mapping[str, FullAttentionSpec],
+    kernel_block_sizes: Mapping[str, Sequence[int]],
+) -> list[KVCacheGroup]:
+    """One group per distinct spec, in the order the layers first appear.
+
+    ``kernel_block_sizes`` gives, per layer, the kernel block sizes its backend supports
+    (empty: any); the group takes the largest size that every layer supports and that
+    divides the manager's block size.
+    """
+    order: dict[FullAttentionSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        order.setdefault(spec, []).append(name)
+    groups = []
+    for group_id, (spec, names) in enumerate(order.items()):
+        constraints = [set(kernel_block_sizes[n]) for n in names if kernel_block_sizes[n]]
+        size = spec.block_size
+        if constraints:
+            common = sorted(set.intersection(*constraints))
+            size = choose_kernel_block_size(spec.block_size, common, what=f"layers {names}")
+        groups.append(KVCacheGroup(group_id, spec, tuple(names), size))
+    return groups
+
+
+def choose_kernel_block_size(block_size: int, supported: Iterable[int], *, what: str) -> int:
+    """The largest supported kernel block size that divides ``block_size``."""
+    fitting = [s for s in supported if s <= block_size and block_size % s == 0]
+    if not fitting:
+        raise ConfigError(
+            f"block_size {block_size} is not a multiple of any kernel block size "
+            f"{sorted(supported)} supported by {what}"
+        )
+    return max(fitting)
+
+
+def to_kernel_block_table(block_table: np.ndarray, ratio: int) -> np.ndarray:
+    """Rewrite manager blocks into ``ratio`` kernel blocks each: id b becomes b*ratio .. b*ratio+ratio-1.
+
+    ``block_table`` is ``[num_reqs, num_blocks]``; the result is ``[num_reqs, num_blocks*ratio]``.
+    """
+    if ratio == 1:
+        return block_table
+    offsets = np.arange(ratio, dtype=block_table.dtype)
+    kernel = block_table[:, :, None] * ratio + offsets  # [R, B, ratio]
+    return kernel.reshape(block_table.shape[0], -1)
+
+
+class BlockAllocator:
+    """Hands out block ids of a fixed pool; exhaustion or a bad free is a typed error."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops the lowest ids first
+        self._in_use = np.zeros(num_blocks, dtype=bool)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free block ids; on exhaustion raises and allocates nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free):
+            raise OutOfBlocksError(
+                f"asked for {n} KV-cache blocks but only {len(self._free)} of "
+                f"{self.num_blocks} are free"
+            )
+        ids = [self._free.pop() for _ in range(n)]
+        self._in_use[ids] = True
+        return ids
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Return blocks to the pool; an id that is not allocated raises and frees nothing."""
+        ids = list(block_ids)
+        bad = [b for b in ids if not (0 <= b < self.num_blocks) or not self._in_use[b]]
+        if bad or len(set(ids)) != len(ids):
+            raise OutOfBlocksError(
+                f"cannot free block ids {bad or ids}: expected distinct allocated ids in "
+                f"[0, {self.num_blocks})"
+            )
+        self._in_use[ids] = False
+        self._free.extend(reversed(ids))
+
+
+class KVCache:
+    """Per-layer cache tensors in each backend's layout, the groups, and the block allocator.
+
+    Made once at start-up; lives as long as the engine. ``tensors[layer_name]`` is the
+    tensor the layer's backend reads and writes.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        num_blocks: int,
+        shape_of: Callable[[str, KVCacheGroup, int], tuple[int, ...]],
+        device: torch.device,
+    ) -> None:
+        self.groups = list(groups)
+        self.num_blocks = num_blocks
+        self.block_size = self.groups[0].spec.block_size if self.groups else 0
+        self.allocator = BlockAllocator(num_blocks)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for group in self.groups:
+            kernel_blocks = num_blocks * group.blocks_per_kernel_block
+            for name in group.layer_names:
+                shape = shape_of(name, group, kernel_blocks)
+                self.tensors[name] = torch.zeros(shape, dtype=group.spec.dtype, device=device)
+
+    def allocate(self, n: int) -> list[int]:
+        return self.allocator.allocate(n)
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        self.allocator.free(block_ids)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,228 @@
+"""A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied head) on ``ga.Attention``.
+
+The forward takes the flat token layout: ``input_ids [T]`` and ``positions [T]`` for all
+requests of a step back to back, and returns hidden states ``[T, hidden]``;
+``compute_logits`` maps hidden states to ``[T, vocab]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphattn.attention.layer import Attention
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Model shape; field names follow Hugging Face's ``LlamaConfig``."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    sliding_window: int | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> LlamaConfig:
+        """A few-layer model for tests and the CPU demo."""
+        base = dict(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama_3_2_1b(cls, **overrides: Any) -> LlamaConfig:
+        """Llama-3.2-1B's shape (with an untied head, as the benchmark specifies)."""
+        base = dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
+        return cls(**{**base, **overrides})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout), cos/sin looked up by position."""
+
+    def __init__(
+        self, head_size: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+        if scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        cache = torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # [P, D]
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.head_size = head_size
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        t = positions.shape[0]
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
+        return _rotate(q, cos, sin, t, self.head_size), _rotate(k, cos, sin, t, self.head_size)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, t: int, d: int) -> torch.Tensor:
+    xh = x.view(t, -1, d).float()  # [T, H, D]
+    x1, x2 = xh.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype).view(t, -1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.x frequency scaling: long wavelengths slowed by ``factor``, short ones kept."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen) - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
+    return torch.where(wavelen < old_len / high, inv_freq, out)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, prefix: str) -> None:
+        super().__init__()
+        d, hq, hk = cfg.head_size, cfg.num_attention_heads, cfg.kv_heads
+        self.q_size, self.kv_size = hq * d, hk * d
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(
+            d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.attn = Attention(
+            hq, d, d**-0.5, hk, prefix=f"{prefix}.attn", sliding_window=cfg.sliding_window
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)  # [T, Hq*D], [T, Hkv*D]
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, prefix: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits`` -> [T, V]."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [T, V]
+
+
+def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Deterministic random weights in the usual small-normal scale (norms stay 1, biases 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model

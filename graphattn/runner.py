@@ -1,0 +1,240 @@
+"""One step: a batch of requests -> persistent input buffers -> metadata -> dispatch -> model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphattn.attention.backend import CommonAttentionMetadata
+from graphattn.attention.forward_context import set_forward_context
+from graphattn.attention.groups import AttentionGroup
+from graphattn.batch import Batch
+from graphattn.buffers import InputBuffers
+from graphattn.capture.mode import CUDAGraphMode
+from graphattn.kv_cache import KVCacheGroup, to_kernel_block_table
+from graphattn.report import EngineStats
+from graphattn.validation import BatchLimits, check_batch
+
+
+@dataclass
+class StepPlan:
+    """The host-side facts of one step, after reordering and before padding."""
+
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    uniform_decode: bool
+    reordered: bool  # False when the caller's order already put decodes first
+    num_input_tokens: int = 0  # padded token count the model runs on
+    num_reqs_padded: int = 0  # padded request count the metadata covers
+    runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    batch_descriptor: Any = None
+
+
+# (num_tokens, num_reqs, uniform_decode) -> (runtime mode, padded tokens, padded reqs, descriptor)
+Planner = Callable[[int, int, bool], tuple[CUDAGraphMode, int, int, Any]]
+
+
+def no_padding(num_tokens: int, num_reqs: int, uniform_decode: bool):
+    """The planner without CUDA graphs: run eagerly on exactly the batch."""
+    return CUDAGraphMode.NONE, num_tokens, num_reqs, None
+
+
+class ModelRunner:
+    """Runs steps of one model over its KV cache; owns the persistent input buffers.
+
+    ``forward(input_ids, positions)`` is the model (eager, compiled or graph-wrapped);
+    ``planner`` decides the runtime mode and padding of each step.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        layers: dict[str, Any],
+        kv_cache_groups: Sequence[KVCacheGroup],
+        attn_groups: Sequence[AttentionGroup],
+        limits: BatchLimits,
+        device: torch.device,
+        planner: Planner = no_padding,
+        stats: EngineStats | None = None,
+    ) -> None:
+        self.forward = forward
+        self.layers = layers
+        self.kv_cache_groups = list(kv_cache_groups)
+        self.attn_groups = list(attn_groups)
+        self.limits = limits
+        self.device = device
+        self.planner = planner
+        self.stats = stats if stats is not None else EngineStats()
+        max_blocks = -(-limits.max_model_len // limits.block_size)
+        ratios = [g.blocks_per_kernel_block for g in self.kv_cache_groups]
+        self.buffers = InputBuffers(
+            limits.max_num_tokens, limits.max_num_seqs, max_blocks, ratios, device
+        )
+        thresholds = [
+            g.builder.reorder_batch_threshold
+            for g in self.attn_groups
+            if g.builder is not None and g.builder.reorder_batch_threshold is not None
+        ]
+        self.reorder_threshold = min(thresholds) if thresholds else None
+        self.layer_names = list(layers)
+        # Each step's host copies must have left the pinned staging buffers before the
+        # next step overwrites them.
+        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+
+    # -- the step ---------------------------------------------------------------------
+
+    def execute(self, batch: Batch) -> torch.Tensor:
+        """Run ``batch``; returns ``[num_tokens, ...]`` rows in the caller's token order."""
+        check_batch(batch, self.limits)
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+        plan = self.prepare_inputs(batch)
+        cams = self.common_metadata(plan)
+        attn_metadata = self.build_metadata(cams)
+        slot_mapping = self.buffers.slot_mapping.gpu[: plan.num_input_tokens]
+        ids = self.buffers.input_ids.gpu[: plan.num_input_tokens]
+        positions = self.buffers.positions.gpu[: plan.num_input_tokens]
+        with set_forward_context(
+            attn_metadata,
+            plan.batch_descriptor,
+            plan.runtime_mode,
+            layers=self.layers,
+            slot_mapping=dict.fromkeys(self.layer_names, slot_mapping),
+        ):
+            hidden = self.forward(ids, positions)
+        self.stats.steps += 1
+        self.stats.tokens += plan.num_tokens
+        self.stats.runtime_modes[plan.runtime_mode.name] += 1
+        return self.restore_order(hidden, plan)
+
+    def prepare_inputs(self, batch: Batch) -> StepPlan:
+        """Reorder decodes first, fill the host buffers, pad, and copy to the device."""
+        order = self._decode_first_order(batch.query_lens)
+        q = batch.query_lens if order is None else batch.query_lens[order]
+        computed = batch.num_computed_tokens if order is None else batch.num_computed_tokens[order]
+        table = batch.block_table if order is None else batch.block_table[order]
+        r, t = batch.num_reqs, batch.num_tokens
+        b = self.buffers
+        qsl = b.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(q, out=qsl[1 : r + 1])
+        seq_lens = computed + q
+        b.seq_lens.np[:r] = seq_lens
+        req_of_token = np.repeat(np.arange(r), q)  # [T]
+        offset = np.arange(t) - qsl[req_of_token]  # token's index among its request's new tokens
+        positions = computed[req_of_token] + offset
+        b.positions.np[:t] = positions
+        if order is None:
+            b.input_ids.np[:t] = batch.token_ids
+        else:
+            caller_start = np.cumsum(batch.query_lens) - batch.query_lens
+            source = caller_start[order][req_of_token] + offset  # caller index of each token
+            b.input_ids.np[:t] = batch.token_ids[source]
+            b.output_index.np[source] = np.arange(t)  # inverse permutation
+        block_size = self.limits.block_size
+        blocks = table[req_of_token, positions // block_size].astype(np.int64)
+        b.slot_mapping.np[:t] = blocks * block_size + positions % block_size
+        max_seq_len = int(seq_lens.max())
+        self._fill_block_tables(table, r, -(-max_seq_len // block_size))
+        b.is_prefilling[:r] = torch.from_numpy(q > 1)
+        max_query_len = int(q.max())
+        plan = StepPlan(r, t, max_query_len, max_seq_len, max_query_len == 1, order is not None)
+        self._pad(plan)
+        self._copy_to_device(plan, -(-max_seq_len // block_size))
+        return plan
+
+    def common_metadata(self, plan: StepPlan) -> list[CommonAttentionMetadata]:
+        """One ``CommonAttentionMetadata`` per KV-cache group, over the padded batch."""
+        b, rp, tp = self.buffers, plan.num_reqs_padded, plan.num_input_tokens
+        shared = dict(
+            query_start_loc=b.query_start_loc.gpu[: rp + 1],
+            query_start_loc_cpu=b.query_start_loc.cpu[: rp + 1],
+            seq_lens=b.seq_lens.gpu[:rp],
+            seq_lens_cpu=b.seq_lens.cpu[:rp],
+            max_seq_len=plan.max_seq_len,
+            num_reqs=rp,
+            num_actual_tokens=plan.num_tokens,
+            num_input_tokens=tp,
+            max_query_len=plan.max_query_len,
+            slot_mapping=b.slot_mapping.gpu[:tp],
+            positions=b.positions.gpu[:tp],
+            is_prefilling=b.is_prefilling[:rp],
+        )
+        return [
+            CommonAttentionMetadata(
+                block_table_tensor=b.block_tables[g.blocks_per_kernel_block].gpu[:rp], **shared
+            )
+            for g in self.kv_cache_groups
+        ]
+
+    def build_metadata(self, cams: Sequence[CommonAttentionMetadata]) -> dict[str, Any]:
+        """One metadata object per attention group, stored under each of its layer names."""
+        per_layer: dict[str, Any] = {}
+        for group in self.attn_groups:
+            metadata = group.builder.build(0, cams[group.kv_cache_group.group_id])
+            per_layer.update(dict.fromkeys(group.layer_names, metadata))
+        return per_layer
+
+    def restore_order(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """The real tokens' rows in the caller's order, in a tensor no later step overwrites."""
+        out = hidden[: plan.num_tokens]
+        if plan.reordered:
+            index = self.buffers.output_index.gpu[: plan.num_tokens]
+            return out.index_select(0, index)
+        return out.clone() if plan.runtime_mode != CUDAGraphMode.NONE else out
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _decode_first_order(self, query_lens: np.ndarray) -> np.ndarray | None:
+        """A stable permutation putting decodes first, or None when already so ordered."""
+        if self.reorder_threshold is None:
+            return None
+        is_decode = query_lens <= self.reorder_threshold
+        if not (~is_decode[:-1] & is_decode[1:]).any():
+            return None
+        return np.argsort(~is_decode, kind="stable")
+
+    def _fill_block_tables(self, table: np.ndarray, num_reqs: int, width: int) -> None:
+        manager = table[:, :width]
+        for ratio, buf in self.buffers.block_tables.items():
+            buf.np[:num_reqs, : width * ratio] = to_kernel_block_table(manager, ratio)
+
+    def _pad(self, plan: StepPlan) -> None:
+        """Ask the planner for the runtime mode and pad: slot -1 for padding tokens,
+        sequence length 0 for padding requests, each owning one padding token where possible.
+        """
+        mode, tokens, reqs, descriptor = self.planner(
+            plan.num_tokens, plan.num_reqs, plan.uniform_decode
+        )
+        plan.runtime_mode, plan.batch_descriptor = mode, descriptor
+        plan.num_input_tokens, plan.num_reqs_padded = tokens, reqs
+        b, t, r = self.buffers, plan.num_tokens, plan.num_reqs
+        if tokens > t:
+            b.input_ids.np[t:tokens] = 0
+            b.positions.np[t:tokens] = 0
+            b.slot_mapping.np[t:tokens] = -1
+        if reqs > r:
+            # padding request i owns padding token (t + i - r) while there are tokens left
+            starts = np.minimum(t + np.arange(1, reqs - r + 1), tokens)
+            b.query_start_loc.np[r + 1 : reqs + 1] = starts
+            b.seq_lens.np[r:reqs] = 0
+            b.is_prefilling[r:reqs] = False
+
+    def _copy_to_device(self, plan: StepPlan, width: int) -> None:
+        b, tp, rp = self.buffers, plan.num_input_tokens, plan.num_reqs_padded
+        for buf in (b.input_ids, b.positions, b.slot_mapping):
+            buf.copy_to_device(tp)
+        b.query_start_loc.copy_to_device(rp + 1)
+        b.seq_lens.copy_to_device(rp)
+        if plan.reordered:
+            b.output_index.copy_to_device(plan.num_tokens)
+        for ratio, buf in b.block_tables.items():
+            buf.copy_to_device(plan.num_reqs, width * ratio)
+        if self._copies_done is not None:
+            self._copies_done.record()

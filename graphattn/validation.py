@@ -1,0 +1,105 @@
+"""Checks of a step's batch against the engine's limits, before anything is written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from graphattn.batch import Batch
+from graphattn.errors import InvalidBatchError
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What an engine can take in one step."""
+
+    max_num_seqs: int
+    max_num_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int | None = None
+
+
+def check_batch(batch: Batch, limits: BatchLimits) -> None:
+    """Raise ``InvalidBatchError`` naming the first bad request and value; return if all is well.
+
+    Vectorized over requests: its cost must stay small next to a decode step.
+    """
+    r, t = batch.num_reqs, batch.num_tokens
+    if r == 0:
+        raise InvalidBatchError("the batch has no requests")
+    if r > limits.max_num_seqs:
+        raise InvalidBatchError(
+            f"the batch has {r} requests; max_num_seqs is {limits.max_num_seqs}"
+        )
+    if t > limits.max_num_tokens:
+        raise InvalidBatchError(
+            f"the batch has {t} tokens; max_num_tokens is {limits.max_num_tokens}"
+        )
+    _check_shapes(batch)
+    q, computed = batch.query_lens, batch.num_computed_tokens
+    _first_bad(q < 1, "has no tokens to compute (query length {}); every request needs >= 1", q)
+    _first_bad(computed < 0, "has num_computed_tokens {}; expected >= 0", computed)
+    seq_lens = computed.astype(np.int64) + q
+    _first_bad(
+        seq_lens > limits.max_model_len,
+        f"would hold {{}} tokens; max_model_len is {limits.max_model_len}",
+        seq_lens,
+    )
+    needed = -(-seq_lens // limits.block_size)
+    short = needed > batch.num_block_ids
+    if short.any():
+        i = int(np.argmax(short))
+        raise InvalidBatchError(
+            f"request {i} has {batch.num_block_ids[i]} block(s) for {seq_lens[i]} tokens; "
+            f"block size {limits.block_size} needs {needed[i]}"
+        )
+    _check_block_ids(batch, needed, limits.num_blocks)
+    if limits.vocab_size is not None and t:
+        bad = (batch.token_ids < 0) | (batch.token_ids >= limits.vocab_size)
+        if bad.any():
+            tok = int(np.argmax(bad))
+            req = int(np.searchsorted(np.cumsum(q), tok, side="right"))
+            raise InvalidBatchError(
+                f"request {req}: token id {batch.token_ids[tok]} is outside the vocabulary "
+                f"[0, {limits.vocab_size})"
+            )
+
+
+def _check_shapes(batch: Batch) -> None:
+    r = batch.num_reqs
+    for name in ("num_computed_tokens", "num_block_ids"):
+        if getattr(batch, name).shape != (r,):
+            raise InvalidBatchError(
+                f"{name} must have one entry per request ({r}), got shape "
+                f"{list(getattr(batch, name).shape)}"
+            )
+    total = int(batch.query_lens.sum())
+    if total != batch.num_tokens:
+        raise InvalidBatchError(
+            f"query_lens sum to {total} but the batch has {batch.num_tokens} token ids"
+        )
+    if (batch.num_block_ids > batch.block_table.shape[1]).any():
+        raise InvalidBatchError(
+            f"num_block_ids exceeds the block table's width {batch.block_table.shape[1]}"
+        )
+
+
+def _check_block_ids(batch: Batch, needed: np.ndarray, num_blocks: int) -> None:
+    width = int(needed.max())
+    table = batch.block_table[:, :width]
+    used = np.arange(width)[None, :] < batch.num_block_ids[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise InvalidBatchError(
+            f"request {i}: block id {table[i, j]} (entry {j}) is outside the cache [0, {num_blocks})"
+        )
+
+
+def _first_bad(mask: np.ndarray, message: str, values: np.ndarray) -> None:
+    if mask.any():
+        i = int(np.argmax(mask))
+        raise InvalidBatchError(f"request {i} " + message.format(values[i]))

@@ -1,0 +1,158 @@
+"""Test helpers written independently of graphattn's internals: dense attention in float64,
+a model whose q/k/v are looked up from random tables, batch builders and cache snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import graphattn as ga
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def dense_attention(q, k, v, scale, *, sliding_window=None, soft_cap=None):
+    """Causal attention of the last ``len(q)`` positions of a sequence, in float64.
+
+    q: [L, Hq, D]; k, v: [S, Hkv, D] for the whole sequence (S >= L). Returns [L, Hq, D].
+    """
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    length, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for h in range(num_heads):
+        kh, vh = k[:, h // group], v[:, h // group]  # [S, D]
+        for i in range(length):
+            pos = seq_len - length + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            s = (kh[lo : pos + 1] @ q[i, h]) * scale
+            if soft_cap is not None:
+                s = soft_cap * torch.tanh(s / soft_cap)
+            out[i, h] = torch.softmax(s, 0) @ vh[lo : pos + 1]
+    return out
+
+
+class TableAttentionModel(nn.Module):
+    """One ``ga.Attention`` whose q/k/v for token id ``t`` are rows ``t`` of random tables.
+
+    The test knows every token's q/k/v from its id, so it can compute attention densely.
+    """
+
+    def __init__(
+        self,
+        vocab,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        *,
+        sliding_window=None,
+        backend=None,
+        soft_cap=None,
+        seed=0,
+        num_layers=1,
+        heads_per_layer=None,
+    ):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab
+        self.num_kv_heads, self.head_size = num_kv_heads, head_size
+        heads = heads_per_layer or [num_heads] * num_layers
+        self.q = nn.ParameterList(
+            nn.Parameter(torch.randn(vocab, h * head_size, generator=gen), requires_grad=False)
+            for h in heads
+        )
+        self.k = nn.Parameter(
+            torch.randn(vocab, num_kv_heads * head_size, generator=gen), requires_grad=False
+        )
+        self.v = nn.Parameter(
+            torch.randn(vocab, num_kv_heads * head_size, generator=gen), requires_grad=False
+        )
+        self.attns = nn.ModuleList(
+            ga.Attention(
+                h,
+                head_size,
+                head_size**-0.5,
+                num_kv_heads,
+                prefix=f"layers.{i}.attn",
+                sliding_window=sliding_window,
+                backend=backend,
+                logits_soft_cap=soft_cap,
+            )
+            for i, h in enumerate(heads)
+        )
+
+    def forward(self, input_ids, positions):
+        k, v = self.k[input_ids], self.v[input_ids]
+        return torch.cat([attn(q[input_ids], k, v) for q, attn in zip(self.q, self.attns)], -1)
+
+    def expected(self, seq_ids, num_new, layer=0):
+        """Dense attention output [num_new, Hq*D] for the last ``num_new`` of ``seq_ids``."""
+        ids = torch.as_tensor(seq_ids)
+        attn = self.attns[layer]
+        q = self.q[layer][ids[-num_new:]].view(num_new, attn.num_heads, self.head_size)
+        k = self.k[ids].view(len(ids), self.num_kv_heads, self.head_size)
+        v = self.v[ids].view(len(ids), self.num_kv_heads, self.head_size)
+        out = dense_attention(
+            q, k, v, attn.scale, sliding_window=attn.sliding_window, soft_cap=attn.logits_soft_cap
+        )
+        return out.reshape(num_new, -1)
+
+
+@dataclass
+class Seq:
+    """A test request: its full token ids, how many are already cached, its block ids."""
+
+    ids: list[int]
+    num_computed: int
+    blocks: list[int]
+
+    def request(self) -> ga.Request:
+        return ga.Request(self.ids[self.num_computed :], self.num_computed, self.blocks)
+
+    def prefix_request(self) -> ga.Request:
+        return ga.Request(self.ids[: self.num_computed], 0, self.blocks)
+
+
+def make_seqs(rng: np.random.Generator, shapes, vocab, block_size, num_blocks) -> list[Seq]:
+    """Sequences of (num_computed, num_new) shapes with distinct random blocks each."""
+    need = [-(-(c + n) // block_size) for c, n in shapes]
+    ids = rng.permutation(num_blocks)[: sum(need)].tolist()
+    seqs, start = [], 0
+    for (c, n), b in zip(shapes, need):
+        seqs.append(Seq(rng.integers(0, vocab, c + n).tolist(), c, ids[start : start + b]))
+        start += b
+    return seqs
+
+
+def run_with_prefixes(engine, seqs: list[Seq]) -> torch.Tensor:
+    """Cache every sequence's computed prefix (one step), then run the new tokens (one step)."""
+    prefixes = [s.prefix_request() for s in seqs if s.num_computed]
+    if prefixes:
+        engine.step(ga.Batch.from_requests(prefixes))
+    return engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+
+
+def snapshot(engine):
+    """Copies of every cache tensor and the allocator's free list."""
+    return (
+        {n: t.clone() for n, t in engine.kv_cache.tensors.items()},
+        list(engine.kv_cache.allocator._free),
+    )
+
+
+def assert_unchanged(engine, snap) -> None:
+    tensors, free = snap
+    for name, t in engine.kv_cache.tensors.items():
+        assert torch.equal(t, tensors[name]), f"KV cache of {name} changed"
+    assert engine.kv_cache.allocator._free == free, "allocator changed"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))

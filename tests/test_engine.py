@@ -1,0 +1,146 @@
+"""The engine end to end (eager): incremental decoding, caller order, grouping, generate, report."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import DEVICES, TableAttentionModel, make_seqs, rel_err
+from hypothesis import given
+from hypothesis import strategies as st
+
+import graphattn as ga
+from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+
+
+def _llama(device="cpu", dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny(**overrides)
+    return init_random_weights(LlamaForCausalLM(cfg), seed=1).to(device, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_incremental_decoding_equals_recomputing(device):
+    """Prefill 20 tokens then decode 6 one at a time; the last logits equal one prefill of 26."""
+    model = _llama(device)
+    engine = ga.compile(model, cudagraph_mode="NONE", num_blocks=64, max_model_len=128)
+    ids = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(3)).tolist()
+    blocks = engine.kv_cache.allocate(2)
+    engine.step(ga.Batch.from_requests([ga.Request(ids[:20], 0, blocks)]))
+    for n in range(20, 26):
+        hidden = engine.step(ga.Batch.from_requests([ga.Request(ids[n : n + 1], n, blocks)]))
+    incremental = engine.compute_logits(hidden)[-1]
+    other = engine.kv_cache.allocate(2)
+    full = engine.step(ga.Batch.from_requests([ga.Request(ids, 0, other)]))
+    recomputed = engine.compute_logits(full)[-1]
+    assert rel_err(incremental, recomputed) < 1e-5
+
+
+@given(order=st.permutations(list(range(6))), seed=st.integers(0, 1000))
+def test_caller_order_is_preserved(order, seed):
+    """Rows come back in the caller's request order however decodes and prefills are mixed."""
+    model = TableAttentionModel(64, 4, 2, 64, seed=seed)
+    engine = ga.compile(model, num_blocks=64, max_model_len=128)
+    shapes = [(0, 9), (5, 1), (0, 3), (17, 1), (8, 6), (30, 1)]
+    seqs = make_seqs(np.random.default_rng(seed), shapes, 64, 16, 64)
+    seqs = [seqs[i] for i in order]
+    for s in seqs:
+        if s.num_computed:
+            engine.step(ga.Batch.from_requests([s.prefix_request()]))
+    out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+    expected = torch.cat([model.expected(s.ids, len(s.ids) - s.num_computed) for s in seqs])
+    assert rel_err(out, expected) < 1e-5
+    one_by_one = torch.cat([engine.step(ga.Batch.from_requests([s.request()])) for s in seqs])
+    torch.testing.assert_close(out, one_by_one, rtol=1e-5, atol=1e-6)
+
+
+class _Spy:
+    """Records each builder's build calls and the metadata object each layer saw."""
+
+    def __init__(self, engine):
+        self.builds = {g.group_id: 0 for g in engine.attn_groups}
+        self.seen: dict[str, int] = {}
+        for group in engine.attn_groups:
+            build = group.builder.build
+
+            def counted(prefix_len, cam, _build=build, _id=group.group_id):
+                self.builds[_id] += 1
+                return _build(prefix_len, cam)
+
+            group.builder.build = counted
+        for name, layer in engine.layers.items():
+            forward = layer.impl.forward
+
+            def seen(layer_, q, k, v, cache, md, out, *a, _name=name, _fwd=forward, **kw):
+                self.seen[_name] = id(md)
+                return _fwd(layer_, q, k, v, cache, md, out, *a, **kw)
+
+            layer.impl.forward = seen
+
+
+def test_grouping_one_builder_and_one_metadata_per_group():
+    # layers 0 and 2 have 4 query heads, layers 1 and 3 have 8: same KV spec, two groups
+    model = TableAttentionModel(32, 4, 2, 64, heads_per_layer=[4, 8, 4, 8])
+    engine = ga.compile(model, num_blocks=32)
+    assert len(engine.kv_cache.groups) == 1
+    groups = {g.group_id: g.layer_names for g in engine.attn_groups}
+    assert groups == {0: ["layers.0.attn", "layers.2.attn"], 1: ["layers.1.attn", "layers.3.attn"]}
+    spy = _Spy(engine)
+    seqs = make_seqs(np.random.default_rng(0), [(0, 5), (0, 1)], 32, 16, 32)
+    engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+    assert spy.builds == {0: 1, 1: 1}
+    assert spy.seen["layers.0.attn"] == spy.seen["layers.2.attn"]
+    assert spy.seen["layers.1.attn"] == spy.seen["layers.3.attn"]
+    assert spy.seen["layers.0.attn"] != spy.seen["layers.1.attn"]
+    report = engine.report.to_dict()
+    assert [g["layers"] for g in report["groups"]] == list(groups.values())
+
+
+def test_sliding_window_layers_form_their_own_kv_cache_group():
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vocab_size = 16
+            self.full = ga.Attention(2, 64, 0.125, prefix="full")
+            self.local = ga.Attention(2, 64, 0.125, prefix="local", sliding_window=8)
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, ids, pos):
+            x = torch.randn(ids.shape[0], 128) * self.w
+            return self.full(x, x, x) + self.local(x, x, x)
+
+    engine = ga.compile(Mixed(), num_blocks=8)
+    assert [g.layer_names for g in engine.kv_cache.groups] == [("full",), ("local",)]
+    assert "sliding(window=8" in engine.report.groups[1].spec
+
+
+def test_generate_continuous_batching_matches_one_prompt_at_a_time():
+    model = _llama()
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 20, [9, 8, 7, 6, 5]]
+    # two slots and a small token budget: prompts join late and prefills are chunked
+    engine = ga.compile(model, max_num_seqs=2, max_num_tokens=24, num_blocks=64, max_model_len=128)
+    together = engine.generate(prompts, 6)
+    assert engine.kv_cache.num_free_blocks == 64, "blocks of finished requests are freed"
+    alone = ga.compile(model, num_blocks=64, max_model_len=128)
+    assert together == [alone.generate([p], 6)[0] for p in prompts]
+    assert all(len(t) == 6 for t in together)
+
+
+def test_report_names_backend_per_layer_and_prints():
+    model = _llama()
+    engine = ga.compile(model, num_blocks=16)
+    text = str(engine.report)
+    assert "requested NONE -> resolved NONE" in text
+    assert all(layer.backend == "TORCH_REF" for layer in engine.report.layers)
+    assert [x.name for x in engine.report.layers] == [
+        "model.layers.0.self_attn.attn",
+        "model.layers.1.self_attn.attn",
+    ]
+    assert engine.report.groups[0].cudagraph_support == "NEVER"
+    d = engine.report.to_dict()
+    assert d["fallbacks"] == [] and d["kv_cache"]["num_blocks"] == 16
+
+
+def test_graph_modes_not_available_without_capture():
+    with pytest.raises(ga.GraphAttnError):
+        ga.compile(_llama(), cudagraph_mode="FULL", num_blocks=16)

@@ -1,0 +1,103 @@
+"""Block allocator, KV-cache groups, and the rewrite of block tables into kernel blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import graphattn as ga
+from graphattn.kv_cache import (
+    BlockAllocator,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    choose_kernel_block_size,
+    group_layers_by_spec,
+    to_kernel_block_table,
+)
+
+
+def test_allocator_allocates_distinct_and_frees():
+    alloc = BlockAllocator(10)
+    a = alloc.allocate(4)
+    b = alloc.allocate(6)
+    assert sorted(a + b) == list(range(10)) and alloc.num_free == 0
+    with pytest.raises(ga.OutOfBlocksError, match="asked for 1 KV-cache blocks but only 0"):
+        alloc.allocate(1)
+    alloc.free(a)
+    assert alloc.num_free == 4
+    assert sorted(alloc.allocate(4)) == sorted(a)
+
+
+def test_allocator_rejects_bad_free_and_changes_nothing():
+    alloc = BlockAllocator(4)
+    ids = alloc.allocate(2)
+    for bad in ([ids[0], ids[0]], [3], [7], [-1]):
+        with pytest.raises(ga.OutOfBlocksError):
+            alloc.free(bad)
+        assert alloc.num_free == 2
+
+
+@given(
+    table=st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=6), min_size=1, max_size=5),
+    ratio=st.sampled_from([1, 2, 4]),
+)
+def test_kernel_block_table_addresses_the_same_slots(table, ratio):
+    """Token t of a request lands on the same cache slot through either table."""
+    width = max(len(r) for r in table)
+    bt = np.array([r + [0] * (width - len(r)) for r in table], dtype=np.int32)
+    kernel = to_kernel_block_table(bt, ratio)
+    manager_bs, kernel_bs = 16, 16 // ratio
+    for row in range(bt.shape[0]):
+        for t in range(width * manager_bs):
+            manager_slot = bt[row, t // manager_bs] * manager_bs + t % manager_bs
+            kernel_slot = kernel[row, t // kernel_bs] * kernel_bs + t % kernel_bs
+            assert manager_slot == kernel_slot
+
+
+def test_choose_kernel_block_size():
+    assert choose_kernel_block_size(64, [16, 32], what="x") == 32
+    assert choose_kernel_block_size(16, [16, 32, 64], what="x") == 16
+    with pytest.raises(ga.ConfigError, match="not a multiple"):
+        choose_kernel_block_size(8, [16, 32], what="x")
+
+
+def test_groups_by_spec_and_common_kernel_block_size():
+    full = FullAttentionSpec(64, 2, 64, torch.float16)
+    local = SlidingWindowSpec(64, 2, 64, torch.float16, sliding_window=128)
+    specs = {"a": full, "b": local, "c": full}
+    sizes = {"a": (16, 32), "b": (), "c": (16, 32, 64)}
+    groups = group_layers_by_spec(specs, sizes)
+    assert [(g.layer_names, g.kernel_block_size) for g in groups] == [
+        (("a", "c"), 32),
+        (("b",), 64),
+    ]
+    assert groups[0].blocks_per_kernel_block == 2
+
+
+def test_engine_rewrites_block_table_for_smaller_kernel_blocks():
+    """A backend whose kernels address 16-token blocks under a 32-token manager block."""
+    from helpers import TableAttentionModel, make_seqs, rel_err, run_with_prefixes
+
+    from graphattn.attention.backends.torch_ref import TorchRefBackend
+
+    class Small(TorchRefBackend):
+        @staticmethod
+        def get_name():
+            return "TORCH_REF_KB16"
+
+        @classmethod
+        def get_supported_kernel_block_sizes(cls):
+            return (16,)
+
+    ga.register_backend(Small, {}, replace=True)
+    model = TableAttentionModel(64, 4, 2, 64, backend="TORCH_REF_KB16")
+    engine = ga.compile(model, block_size=32, num_blocks=16, max_model_len=128)
+    assert engine.kv_cache.groups[0].kernel_block_size == 16
+    assert engine.kv_cache.tensors["layers.0.attn"].shape[1:3] == (32, 16)
+    seqs = make_seqs(np.random.default_rng(0), [(40, 1), (0, 50), (10, 7)], 64, 32, 16)
+    out = run_with_prefixes(engine, seqs)
+    expected = torch.cat([model.expected(s.ids, len(s.ids) - s.num_computed) for s in seqs])
+    assert rel_err(out, expected) < 1e-5

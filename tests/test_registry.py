@@ -1,0 +1,104 @@
+"""Backend registry and selection: priorities, kept reasons, explicit choices, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TableAttentionModel
+
+import graphattn as ga
+from graphattn.attention import AttentionSelectorConfig, select_backend
+from graphattn.attention.backends.torch_ref import TorchRefBackend
+
+
+def _cfg(**kw):
+    base = dict(
+        head_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        dtype=torch.float32,
+        kv_cache_dtype=torch.float32,
+        block_size=16,
+        device_type="cpu",
+    )
+    return AttentionSelectorConfig(**{**base, **kw})
+
+
+class PickyBackend(TorchRefBackend):
+    """Ranked first on the CPU but serves only head size 128."""
+
+    @staticmethod
+    def get_name():
+        return "PICKY"
+
+    @classmethod
+    def supports_head_size(cls, head_size):
+        return head_size == 128
+
+
+@pytest.fixture
+def picky():
+    ga.register_backend(PickyBackend, {"cpu": 1000}, replace=True)
+    yield PickyBackend
+    ga.register_backend(PickyBackend, {}, replace=True)  # off every device again
+
+
+def test_cpu_default_is_torch_ref():
+    assert select_backend(_cfg()).backend.get_name() == "TORCH_REF"
+
+
+def test_passed_over_reasons_are_kept(picky):
+    sel = select_backend(_cfg(head_size=64))
+    assert sel.backend is TorchRefBackend
+    assert sel.rejected == {"PICKY": ["head size 64 not supported"]}
+    assert select_backend(_cfg(head_size=128)).backend is PickyBackend
+
+
+def test_no_backend_fits_lists_every_reason(picky):
+    ga.register_backend(TorchRefBackend, {"cpu": 100, "cuda": 0, "xpu": 1}, replace=True)
+    ga.register_backend(PickyBackend, {"xpu": 2}, replace=True)
+    try:
+        with pytest.raises(ga.BackendSelectionError) as err:
+            select_backend(_cfg(device_type="xpu", head_size=96))
+    finally:
+        ga.register_backend(TorchRefBackend, {"cpu": 100, "cuda": 0}, replace=True)
+    text = str(err.value)
+    assert "no attention backend can serve head_size=96" in text
+    assert "PICKY: device xpu not in ['cuda', 'cpu']; head size 96 not supported" in text
+    assert "TORCH_REF: device xpu not in ['cuda', 'cpu']" in text
+
+
+def test_explicit_request_that_cannot_serve_is_an_error(picky):
+    with pytest.raises(ga.BackendSelectionError, match="PICKY was requested but cannot serve"):
+        select_backend(_cfg(head_size=64), requested="picky")
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ga.BackendSelectionError, match="unknown attention backend 'NOPE'"):
+        ga.Attention(2, 64, 0.1, prefix="x", backend="NOPE")
+
+
+def test_name_conflict_needs_replace():
+    class Clash(TorchRefBackend):
+        pass
+
+    with pytest.raises(ValueError, match="already registered"):
+        ga.register_backend(Clash, {"cpu": 1})
+
+
+def test_layer_and_config_can_name_the_backend(picky):
+    model = TableAttentionModel(8, 2, 2, 128, num_layers=2)
+    engine = ga.compile(model, num_blocks=4)
+    assert [x.backend for x in engine.report.layers] == ["PICKY", "PICKY"]
+    engine = ga.compile(model, num_blocks=4, attention_backend="TORCH_REF")
+    assert [(x.backend, x.selected_by) for x in engine.report.layers] == [
+        ("TORCH_REF", "config"),
+        ("TORCH_REF", "config"),
+    ]
+    model.attns[1].requested_backend = "PICKY"
+    engine = ga.compile(model, num_blocks=4, attention_backend="TORCH_REF")
+    assert [(x.backend, x.selected_by) for x in engine.report.layers] == [
+        ("TORCH_REF", "config"),
+        ("PICKY", "layer"),
+    ]
+    assert len(engine.attn_groups) == 2  # different backends never share a group
