@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from graphattn._logging import logger
+from graphattn.attention.forward_context import set_forward_context
 from graphattn.attention.groups import AttentionGroup, build_attention_groups
 from graphattn.attention.layer import Attention
 from graphattn.attention.registry import select_backend
@@ -20,6 +23,9 @@ from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
 from graphattn.runner import ModelRunner
 from graphattn.validation import BatchLimits
+
+if TYPE_CHECKING:
+    from graphattn.passes.compiler import CompiledForward
 
 
 class CompiledModel:
@@ -142,11 +148,48 @@ class CompiledModel:
                 f"cudagraph_mode={mode} is not supported yet: this build runs the model eagerly "
                 "(cudagraph_mode='NONE')"
             )
-        if self.config.compile_backend != "none":
-            raise UnsupportedModeError(
-                f"compile_backend={self.config.compile_backend!r} is not supported yet; use 'none'"
-            )
         return mode
+
+    def _compile(self) -> CompiledForward | None:
+        """Trace and compile the model piecewise (None with compile_backend="none").
+
+        The trace runs as the profile run: real inputs from the persistent buffers and a
+        forward context without metadata, so attention writes nothing to the cache.
+        """
+        if self.config.compile_backend == "none":
+            return None
+        from graphattn.passes.compiler import CompileOptions, compile_model
+
+        c = self.config
+        options = CompileOptions(
+            splitting_ops=c.splitting_ops,
+            compile_backend=c.compile_backend,
+            compile_sizes=c.compile_sizes,
+            cache_dir=c.cache_dir,
+            debug_dump_path=c.debug_dump_path,
+            strict=c.strict or c.debug,
+            cache_factors=self._cache_factors(),
+        )
+        n = c.max_num_tokens
+        example = (self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n])
+        with torch.inference_mode(), set_forward_context(None, layers=self.layers):
+            return compile_model(self.model, options, example)
+
+    def _cache_factors(self) -> dict[str, Any]:
+        """Everything about this engine that changes the compiled code."""
+        c = self.config
+        return {
+            "dtype": str(self.dtype),
+            "kv_cache_dtype": str(self.kv_cache_dtype),
+            "device": torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else "cpu",
+            "backends": {n: layer.attn_backend.full_cls_name() for n, layer in self.layers.items()},
+            "splitting_ops": list(c.splitting_ops or ()),
+            "compile_backend": c.compile_backend,
+            "compile_sizes": list(c.compile_sizes),
+            "model": type(self.model).__qualname__,
+        }
 
     def _limits(self) -> BatchLimits:
         c = self.config
@@ -198,6 +241,7 @@ class CompiledModel:
             layers,
             groups,
             kv_cache=kv,
+            compile=dataclasses.asdict(self.compiled.info) if self.compiled else {},
             startup_seconds=seconds,
         )
 
