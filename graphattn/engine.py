@@ -61,6 +61,9 @@ class CompiledModel:
             self.device,
             stats=self.stats,
         )
+        self.compiled = self._compile()
+        if self.compiled is not None:
+            self.runner.forward = self.compiled
         self.report = self._make_report(time.perf_counter() - start)
         logger.info("graphattn engine ready:\n%s", self.report)
 
