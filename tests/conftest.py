@@ -8,6 +8,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Without CUDA the Triton kernels run under the interpreter; the variable must be set before
+# any kernel module is imported (Triton reads it when a kernel is decorated).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile(
     "ci",
     max_examples=25,
