@@ -20,12 +20,15 @@ from graphattn.config import CompileConfig
 from graphattn.engine import CompiledModel
 from graphattn.errors import (
     BackendSelectionError,
+    CaptureError,
     ConfigError,
+    CUDAGraphModeError,
     FallbackWarning,
     GraphAttnError,
     InvalidBatchError,
     InvalidInputError,
     OutOfBlocksError,
+    RecompileError,
     UnsupportedModeError,
 )
 from graphattn.report import EngineStats, Report
@@ -41,6 +44,8 @@ __all__ = [
     "BackendSelectionError",
     "Batch",
     "CUDAGraphMode",
+    "CUDAGraphModeError",
+    "CaptureError",
     "CommonAttentionMetadata",
     "CompileConfig",
     "CompiledModel",
@@ -51,6 +56,7 @@ __all__ = [
     "InvalidBatchError",
     "InvalidInputError",
     "OutOfBlocksError",
+    "RecompileError",
     "Report",
     "Request",
     "UnsupportedModeError",

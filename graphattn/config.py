@@ -70,7 +70,7 @@ class CompileConfig:
     dtype: torch.dtype | str | None = None
     kv_cache_dtype: str = "auto"
     attention_backend: str | None = None
-    cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.NONE
+    cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     compile_backend: str = "none"
     compile_sizes: tuple[int, ...] = ()

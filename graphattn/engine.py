@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,9 +17,11 @@ from graphattn.attention.groups import AttentionGroup, build_attention_groups
 from graphattn.attention.layer import Attention
 from graphattn.attention.registry import select_backend
 from graphattn.batch import Batch
+from graphattn.capture.manager import CaptureManager
 from graphattn.capture.mode import CUDAGraphMode
+from graphattn.capture.resolve import FallbackRecord, resolve_for_engine
 from graphattn.config import CompileConfig, parse_dtype
-from graphattn.errors import ConfigError, InvalidInputError, UnsupportedModeError
+from graphattn.errors import ConfigError, CUDAGraphModeError, FallbackWarning, InvalidInputError
 from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
 from graphattn.runner import ModelRunner
@@ -50,7 +53,7 @@ class CompiledModel:
         self._select_backends()
         self.kv_cache, self.attn_groups = self._allocate_kv_cache()
         self.requested_mode = config.cudagraph_mode
-        self.resolved_mode = self._resolve_mode()
+        self.resolved_mode, self.fallbacks = self._negotiate_mode()
         self.stats = EngineStats()
         self.runner = ModelRunner(
             self.model,
@@ -61,9 +64,19 @@ class CompiledModel:
             self.device,
             stats=self.stats,
         )
+        self.graphs = CaptureManager(
+            self.resolved_mode,
+            capture_sizes=config.cudagraph_capture_sizes,
+            max_num_seqs=config.max_num_seqs,
+            max_num_tokens=config.max_num_tokens,
+            device=self.device,
+            debug=config.debug,
+        )
         self.compiled = self._compile()
-        if self.compiled is not None:
-            self.runner.forward = self.compiled
+        forward = self.compiled if self.compiled is not None else self.model
+        self.runner.forward = self.graphs.wrap_model(forward)
+        self.capture_info = self.graphs.capture(self.runner)
+        self.runner.planner = self.graphs.dispatcher.dispatch
         self.report = self._make_report(time.perf_counter() - start)
         logger.info("graphattn engine ready:\n%s", self.report)
 
@@ -144,14 +157,31 @@ class CompiledModel:
             )
         return kv_cache, groups
 
-    def _resolve_mode(self) -> CUDAGraphMode:
-        mode = self.config.cudagraph_mode
-        if mode != CUDAGraphMode.NONE:
-            raise UnsupportedModeError(
-                f"cudagraph_mode={mode} is not supported yet: this build runs the model eagerly "
-                "(cudagraph_mode='NONE')"
-            )
-        return mode
+    def _negotiate_mode(self) -> tuple[CUDAGraphMode, list[FallbackRecord]]:
+        """The requested mode lowered to what every attention group allows; each lowering is
+        a FallbackWarning, a log line and a record (or, with strict=True, an error).
+        """
+        weakest = min(self.attn_groups, key=lambda g: g.cudagraph_support)
+        mode, records = resolve_for_engine(
+            self.config.cudagraph_mode,
+            weakest.cudagraph_support,
+            has_cuda=self.device.type == "cuda",
+            attention_is_splitting_op=self._attention_is_split(),
+            backend_name=weakest.backend.get_name(),
+        )
+        for record in records:
+            if self.config.strict:
+                raise CUDAGraphModeError(f"strict=True forbids lowering the mode: {record}")
+            logger.warning("%s", record)
+            warnings.warn(str(record), FallbackWarning, stacklevel=4)
+        return mode, records
+
+    def _attention_is_split(self) -> bool:
+        """True when the model is compiled piecewise with the attention op as a splitting op."""
+        ops = self.config.splitting_ops
+        return self.config.compile_backend != "none" and (
+            ops is None or "graphattn::unified_attention_with_output" in ops
+        )
 
     def _compile(self) -> CompiledForward | None:
         """Trace and compile the model piecewise (None with compile_backend="none").
@@ -176,7 +206,9 @@ class CompiledModel:
         n = c.max_num_tokens
         example = (self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n])
         with torch.inference_mode(), set_forward_context(None, layers=self.layers):
-            return compile_model(self.model, options, example)
+            return compile_model(
+                self.model, options, example, piece_wrapper=self.graphs.piece_wrapper()
+            )
 
     def _cache_factors(self) -> dict[str, Any]:
         """Everything about this engine that changes the compiled code."""
@@ -243,8 +275,10 @@ class CompiledModel:
             str(self.resolved_mode),
             layers,
             groups,
+            fallbacks=list(self.fallbacks),
             kv_cache=kv,
             compile=dataclasses.asdict(self.compiled.info) if self.compiled else {},
+            capture=self.capture_info,
             startup_seconds=seconds,
         )
 

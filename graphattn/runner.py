@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from graphattn.attention.forward_context import set_forward_context
 from graphattn.attention.groups import AttentionGroup
 from graphattn.batch import Batch
 from graphattn.buffers import InputBuffers
+from graphattn.capture.dispatcher import BatchDescriptor, Dispatch
 from graphattn.capture.mode import CUDAGraphMode
 from graphattn.kv_cache import KVCacheGroup, to_kernel_block_table
 from graphattn.report import EngineStats
@@ -34,15 +36,16 @@ class StepPlan:
     num_reqs_padded: int = 0  # padded request count the metadata covers
     runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
     batch_descriptor: Any = None
+    fallback: str | None = None  # why a batch that wanted a graph runs without one
 
 
-# (num_tokens, num_reqs, uniform_decode) -> (runtime mode, padded tokens, padded reqs, descriptor)
-Planner = Callable[[int, int, bool], tuple[CUDAGraphMode, int, int, Any]]
+# (num_tokens, num_reqs, uniform_decode) -> runtime mode, padded key, fallback reason
+Planner = Callable[[int, int, bool], Dispatch]
 
 
-def no_padding(num_tokens: int, num_reqs: int, uniform_decode: bool):
+def no_padding(num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
     """The planner without CUDA graphs: run eagerly on exactly the batch."""
-    return CUDAGraphMode.NONE, num_tokens, num_reqs, None
+    return Dispatch(CUDAGraphMode.NONE, None)
 
 
 class ModelRunner:
@@ -95,8 +98,18 @@ class ModelRunner:
         if self._copies_done is not None:
             self._copies_done.synchronize()
         plan = self.prepare_inputs(batch)
+        hidden = self.run(plan)
+        self.stats.steps += 1
+        self.stats.tokens += plan.num_tokens
+        self.stats.runtime_modes[plan.runtime_mode.name] += 1
+        if plan.fallback:
+            self.stats.fallbacks[plan.fallback] += 1
+        return self.restore_order(hidden, plan)
+
+    def run(self, plan: StepPlan, *, capturing: bool = False) -> torch.Tensor:
+        """Metadata for the prepared buffers, then the model under the forward context."""
         cams = self.common_metadata(plan)
-        attn_metadata = self.build_metadata(cams)
+        attn_metadata = self.build_metadata(cams, capturing=capturing)
         slot_mapping = self.buffers.slot_mapping.gpu[: plan.num_input_tokens]
         ids = self.buffers.input_ids.gpu[: plan.num_input_tokens]
         positions = self.buffers.positions.gpu[: plan.num_input_tokens]
@@ -107,11 +120,7 @@ class ModelRunner:
             layers=self.layers,
             slot_mapping=dict.fromkeys(self.layer_names, slot_mapping),
         ):
-            hidden = self.forward(ids, positions)
-        self.stats.steps += 1
-        self.stats.tokens += plan.num_tokens
-        self.stats.runtime_modes[plan.runtime_mode.name] += 1
-        return self.restore_order(hidden, plan)
+            return self.forward(ids, positions)
 
     def prepare_inputs(self, batch: Batch) -> StepPlan:
         """Reorder decodes first, fill the host buffers, pad, and copy to the device."""
@@ -173,11 +182,17 @@ class ModelRunner:
             for g in self.kv_cache_groups
         ]
 
-    def build_metadata(self, cams: Sequence[CommonAttentionMetadata]) -> dict[str, Any]:
+    def build_metadata(
+        self, cams: Sequence[CommonAttentionMetadata], *, capturing: bool = False
+    ) -> dict[str, Any]:
         """One metadata object per attention group, stored under each of its layer names."""
         per_layer: dict[str, Any] = {}
         for group in self.attn_groups:
-            metadata = group.builder.build(0, cams[group.kv_cache_group.group_id])
+            cam = cams[group.kv_cache_group.group_id]
+            if capturing:
+                metadata = group.builder.build_for_cudagraph_capture(cam)
+            else:
+                metadata = group.builder.build(0, cam)
             per_layer.update(dict.fromkeys(group.layer_names, metadata))
         return per_layer
 
@@ -188,6 +203,56 @@ class ModelRunner:
             index = self.buffers.output_index.gpu[: plan.num_tokens]
             return out.index_select(0, index)
         return out.clone() if plan.runtime_mode != CUDAGraphMode.NONE else out
+
+    # -- capture ----------------------------------------------------------------------
+
+    def capture_graphs(
+        self, keys: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], warmups: int = 1
+    ) -> None:
+        """Warm up and capture each (mode, key) in order; call inside an open capture phase.
+
+        The capture batch is synthetic: every token has slot -1 (the KV cache is not
+        written), every request reads block 0, and the lengths fit the key.
+        """
+        for mode, key in keys:
+            plan = self._synthetic_plan(mode, key)
+            eager = dataclasses.replace(
+                plan, runtime_mode=CUDAGraphMode.NONE, batch_descriptor=None
+            )
+            for _ in range(warmups):  # kernels compile and autotune outside the graph
+                self.run(eager)
+            self.run(plan, capturing=True)
+
+    def _synthetic_plan(self, mode: CUDAGraphMode, key: BatchDescriptor) -> StepPlan:
+        tokens = key.num_tokens
+        reqs = key.num_reqs if key.num_reqs is not None else min(tokens, self.limits.max_num_seqs)
+        q = np.ones(reqs, dtype=np.int32)
+        q[0] += tokens - reqs  # the first request takes the tokens beyond one each
+        b = self.buffers
+        b.query_start_loc.np[0] = 0
+        np.cumsum(q, out=b.query_start_loc.np[1 : reqs + 1])
+        b.seq_lens.np[:reqs] = q
+        b.input_ids.np[:tokens] = 0
+        b.positions.np[:tokens] = 0
+        b.slot_mapping.np[:tokens] = -1
+        b.is_prefilling[:reqs] = torch.from_numpy(q > 1)
+        width = -(-int(q.max()) // self.limits.block_size)
+        for buf in b.block_tables.values():
+            buf.np[:reqs] = 0
+        plan = StepPlan(
+            reqs,
+            tokens,
+            int(q.max()),
+            int(q.max()),
+            bool(q.max() == 1),
+            False,
+            tokens,
+            reqs,
+            mode,
+            key,
+        )
+        self._copy_to_device(plan, width)
+        return plan
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -209,11 +274,17 @@ class ModelRunner:
         """Ask the planner for the runtime mode and pad: slot -1 for padding tokens,
         sequence length 0 for padding requests, each owning one padding token where possible.
         """
-        mode, tokens, reqs, descriptor = self.planner(
-            plan.num_tokens, plan.num_reqs, plan.uniform_decode
+        out = self.planner(plan.num_tokens, plan.num_reqs, plan.uniform_decode)
+        key = out.descriptor
+        plan.runtime_mode, plan.batch_descriptor, plan.fallback = out.mode, key, out.fallback
+        plan.num_input_tokens = key.num_tokens if key is not None else plan.num_tokens
+        plan.num_reqs_padded = (
+            plan.num_reqs if key is None or key.num_reqs is None else key.num_reqs
         )
-        plan.runtime_mode, plan.batch_descriptor = mode, descriptor
-        plan.num_input_tokens, plan.num_reqs_padded = tokens, reqs
+        self._pad_buffers(plan)
+
+    def _pad_buffers(self, plan: StepPlan) -> None:
+        tokens, reqs = plan.num_input_tokens, plan.num_reqs_padded
         b, t, r = self.buffers, plan.num_tokens, plan.num_reqs
         if tokens > t:
             b.input_ids.np[t:tokens] = 0

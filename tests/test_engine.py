@@ -128,7 +128,7 @@ def test_generate_continuous_batching_matches_one_prompt_at_a_time():
 
 def test_report_names_backend_per_layer_and_prints():
     model = _llama()
-    engine = ga.compile(model, num_blocks=16)
+    engine = ga.compile(model, cudagraph_mode="NONE", num_blocks=16)
     text = str(engine.report)
     assert "requested NONE -> resolved NONE" in text
     assert all(layer.backend == "TORCH_REF" for layer in engine.report.layers)
@@ -141,6 +141,20 @@ def test_report_names_backend_per_layer_and_prints():
     assert d["fallbacks"] == [] and d["kv_cache"]["num_blocks"] == 16
 
 
-def test_graph_modes_not_available_without_capture():
-    with pytest.raises(ga.GraphAttnError):
-        ga.compile(_llama(), cudagraph_mode="FULL", num_blocks=16)
+def test_graph_modes_fall_back_to_none_without_cuda_and_say_why():
+    with pytest.warns(ga.FallbackWarning, match=r"FULL -> NONE \(CUDA graphs need a CUDA device\)"):
+        engine = ga.compile(_llama(), cudagraph_mode="FULL", num_blocks=16)
+    assert engine.resolved_mode == ga.CUDAGraphMode.NONE
+    (record,) = engine.report.fallbacks
+    assert record.requested == ga.CUDAGraphMode.FULL and record.backend == "TORCH_REF"
+    assert str(engine.report).startswith("cudagraph mode: requested FULL -> resolved NONE")
+    assert engine.report.to_dict()["fallbacks"][0]["rule"] == "CUDA graphs need a CUDA device"
+
+
+def test_strict_turns_a_fallback_into_an_error():
+    with pytest.raises(ga.GraphAttnError, match="strict=True forbids lowering"):
+        ga.compile(_llama(), cudagraph_mode="PIECEWISE", num_blocks=16, strict=True)
+
+
+def test_default_mode_is_full_and_piecewise():
+    assert ga.CompileConfig().cudagraph_mode == ga.CUDAGraphMode.FULL_AND_PIECEWISE

@@ -1,0 +1,108 @@
+"""The capture manager: an engine's capture sizes, dispatcher, graph wrappers and capture phase."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from graphattn._logging import logger
+from graphattn.capture.dispatcher import BatchDescriptor, CudagraphDispatcher
+from graphattn.capture.mode import CUDAGraphMode
+from graphattn.capture.sizes import clip_capture_sizes, default_capture_sizes
+from graphattn.capture.wrapper import CaptureState, CUDAGraphWrapper
+
+M = CUDAGraphMode
+
+
+class Capturer(Protocol):
+    """What the manager needs of the runner: run warm-ups and captures for given keys."""
+
+    def capture_graphs(self, keys: Sequence[tuple[CUDAGraphMode, BatchDescriptor]]) -> None: ...
+
+
+class CaptureManager:
+    """Owns the graphs of one engine for the resolved mode.
+
+    ``wrap_model`` and ``piece_wrapper`` put FULL and PIECEWISE wrappers in place before
+    capture; ``capture`` records every (mode, size) largest first into one pool and then
+    closes capture for good; ``dispatcher.dispatch`` picks a graph for each step after.
+    """
+
+    def __init__(
+        self,
+        mode: CUDAGraphMode,
+        *,
+        capture_sizes: Sequence[int] | None,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        device: torch.device,
+        debug: bool = False,
+    ) -> None:
+        self.mode = mode
+        if capture_sizes is None:
+            sizes, self.clipped = default_capture_sizes(max_num_seqs, max_num_tokens), []
+        else:
+            sizes, self.clipped = clip_capture_sizes(capture_sizes, max_num_tokens)
+        if self.clipped:
+            logger.warning(
+                "capture sizes %s exceed max_num_tokens=%d and are dropped",
+                self.clipped,
+                max_num_tokens,
+            )
+        if not sizes and mode != M.NONE:
+            logger.warning("no capture size is left: every batch runs without graphs")
+            self.mode = mode = M.NONE
+        self.dispatcher = CudagraphDispatcher(mode, sizes, max_num_seqs)
+        self.state = CaptureState(device, debug=debug) if mode != M.NONE else None
+
+    def piece_wrapper(self) -> Callable[[Callable[..., Any], Any], Callable[..., Any]] | None:
+        """The wrapper for compiled pieces, or None when no PIECEWISE graphs are captured."""
+        if not self.mode.has_piecewise_cudagraphs():
+            return None
+
+        def wrap(piece: Callable[..., Any], info: Any) -> Callable[..., Any]:
+            return CUDAGraphWrapper(piece, M.PIECEWISE, self.state, name=f"piece {info.index}")
+
+        return wrap
+
+    def wrap_model(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` under a FULL wrapper when the mode has full graphs."""
+        if not self.mode.has_full_cudagraphs():
+            return forward
+        return CUDAGraphWrapper(forward, M.FULL, self.state, name="model")
+
+    def capture(self, runner: Capturer) -> dict[str, Any]:
+        """Capture every graph (start-up only); what the report shows about it."""
+        if self.state is None:
+            return {}
+        order = self.dispatcher.capture_order()
+        free_before = torch.cuda.mem_get_info(self.state.device)[0]
+        start = time.perf_counter()
+        logger.info("capturing %d CUDA graphs (%s)", len(order), self.mode)
+        with torch.inference_mode(), self.state.capture_phase():
+            runner.capture_graphs(order)
+        torch.cuda.synchronize(self.state.device)
+        seconds = time.perf_counter() - start
+        used = free_before - torch.cuda.mem_get_info(self.state.device)[0]
+        info = {
+            "sizes": {
+                str(m): [k.num_tokens for k in self.dispatcher.keys[m]]
+                for m in (M.FULL, M.PIECEWISE)
+                if self.dispatcher.keys[m]
+            },
+            "graphs": self.state.num_graphs,
+            "seconds": round(seconds, 2),
+            "graph_memory_mib": round(used / 2**20, 1),
+        }
+        if self.clipped:
+            info["clipped_sizes"] = self.clipped
+        logger.info(
+            "captured %d graphs in %.1f s, %.0f MiB",
+            info["graphs"],
+            seconds,
+            info["graph_memory_mib"],
+        )
+        return info

@@ -1,0 +1,214 @@
+"""Mode resolution, capture sizes, the dispatcher and padding: the logic of capture/, on the CPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from helpers import TableAttentionModel, make_seqs, rel_err
+from hypothesis import given
+from hypothesis import strategies as st
+
+import graphattn as ga
+from graphattn.attention import AttentionCGSupport as S
+from graphattn.capture.dispatcher import ABOVE_LARGEST, BatchDescriptor, CudagraphDispatcher
+from graphattn.capture.mode import CUDAGraphMode as M
+from graphattn.capture.resolve import resolve_cudagraph_mode
+from graphattn.capture.sizes import clip_capture_sizes, default_capture_sizes
+
+# requested mode, support, attention split ("P" yes, "-" no, "*" either), decode query
+# length ("*" for 1 and 2) -> resolved mode or "error". Written from DESIGN §5 by hand.
+TABLE = """
+NONE               *              * *  NONE
+PIECEWISE          *              * *  PIECEWISE
+FULL               ALWAYS         * *  FULL
+FULL               UNIFORM_BATCH  P *  FULL_AND_PIECEWISE
+FULL               UNIFORM_BATCH  - *  FULL_DECODE_ONLY
+FULL               SINGLE         P 1  FULL_AND_PIECEWISE
+FULL               SINGLE         P 2  PIECEWISE
+FULL               SINGLE         - 1  FULL_DECODE_ONLY
+FULL               SINGLE         - 2  NONE
+FULL               NEVER          * *  error
+FULL_DECODE_ONLY   ALWAYS         * *  FULL_DECODE_ONLY
+FULL_DECODE_ONLY   UNIFORM_BATCH  * *  FULL_DECODE_ONLY
+FULL_DECODE_ONLY   SINGLE         * 1  FULL_DECODE_ONLY
+FULL_DECODE_ONLY   SINGLE         P 2  PIECEWISE
+FULL_DECODE_ONLY   SINGLE         - 2  NONE
+FULL_DECODE_ONLY   NEVER          P *  PIECEWISE
+FULL_DECODE_ONLY   NEVER          - *  NONE
+FULL_AND_PIECEWISE ALWAYS         * *  FULL_AND_PIECEWISE
+FULL_AND_PIECEWISE UNIFORM_BATCH  * *  FULL_AND_PIECEWISE
+FULL_AND_PIECEWISE SINGLE         * 1  FULL_AND_PIECEWISE
+FULL_AND_PIECEWISE SINGLE         P 2  PIECEWISE
+FULL_AND_PIECEWISE SINGLE         - 2  NONE
+FULL_AND_PIECEWISE NEVER          P *  PIECEWISE
+FULL_AND_PIECEWISE NEVER          - *  NONE
+"""
+SUPPORT = {
+    "ALWAYS": S.ALWAYS,
+    "UNIFORM_BATCH": S.UNIFORM_BATCH,
+    "SINGLE": S.UNIFORM_SINGLE_TOKEN_DECODE,
+    "NEVER": S.NEVER,
+}
+
+
+def _expected_table():
+    table = {}
+    for line in TABLE.strip().splitlines():
+        mode, support, split, q, result = line.split()
+        supports = SUPPORT.values() if support == "*" else [SUPPORT[support]]
+        splits = [True, False] if split == "*" else [split == "P"]
+        qs = [1, 2] if q == "*" else [int(q)]
+        for key in itertools.product([M[mode]], supports, splits, qs):
+            assert key not in table, f"table lists {key} twice"
+            table[key] = result
+    return table
+
+
+EXPECTED = _expected_table()
+
+
+def test_table_covers_every_combination():
+    assert len(EXPECTED) == len(M) * len(S) * 2 * 2
+
+
+@pytest.mark.parametrize("key", sorted(EXPECTED, key=str), ids=str)
+def test_resolution_matches_the_table(key):
+    mode, support, split, q = key
+    kwargs = dict(
+        attention_is_splitting_op=split, uniform_decode_query_len=q, backend_name="MYBACKEND"
+    )
+    if EXPECTED[key] == "error":
+        with pytest.raises(ga.GraphAttnError) as err:
+            resolve_cudagraph_mode(mode, support, **kwargs)
+        assert isinstance(err.value, ValueError)
+        text = str(err.value)
+        assert "MYBACKEND" in text and support.name in text and "try cudagraph_mode=" in text
+        return
+    resolved, records = resolve_cudagraph_mode(mode, support, **kwargs)
+    assert resolved == M[EXPECTED[key]]
+    assert (resolved != mode) == bool(records)
+    if records:  # a chain from the request to the result, each naming backend and support
+        assert records[0].requested == mode and records[-1].resolved == resolved
+        assert all(r.backend == "MYBACKEND" and r.support == support.name for r in records)
+        assert all("batches run" in r.cost for r in records)
+
+
+def test_fallback_record_says_what_it_costs():
+    _, (rec,) = resolve_cudagraph_mode(M.FULL_AND_PIECEWISE, S.NEVER, backend_name="TORCH_REF")
+    assert str(rec) == (
+        "cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE (full graphs need a support level above "
+        "NEVER): backend TORCH_REF supports NEVER; uniform decode batches run piecewise "
+        "(attention eager between graphs)"
+    )
+
+
+def test_default_capture_sizes():
+    assert default_capture_sizes(8, 4096) == [1, 2, 4, 8]
+    assert default_capture_sizes(100, 4096)[-3:] == [88, 96, 100]
+    sizes = default_capture_sizes(512, 300)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-4:] == [256, 272, 288, 300]
+    assert all(b - a == 8 for a, b in itertools.pairwise(sizes[3:34]))
+
+
+def test_user_sizes_sorted_deduplicated_clipped():
+    assert clip_capture_sizes([64, 8, 8, 1, 5000], 4096) == ([1, 8, 64], [5000])
+
+
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=12, unique=True),
+    num_tokens=st.integers(1, 400),
+    max_num_seqs=st.integers(1, 300),
+    mode=st.sampled_from([M.PIECEWISE, M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE]),
+    decode=st.booleans(),
+)
+def test_dispatch_pads_to_smallest_captured_size_that_fits(
+    sizes, num_tokens, max_num_seqs, mode, decode
+):
+    num_reqs = (
+        min(num_tokens, max_num_seqs) if decode else max(1, min(num_tokens // 3, max_num_seqs))
+    )
+    uniform = decode and num_reqs == num_tokens
+    d = CudagraphDispatcher(mode, sizes, max_num_seqs)
+    out = d.dispatch(num_tokens, num_reqs, uniform)
+    fitting = [s for s in sizes if s >= num_tokens]
+    if not fitting:
+        assert out.mode == M.NONE and out.fallback == ABOVE_LARGEST
+        return
+    if out.mode == M.NONE:  # only when no graph of the padded size serves this batch
+        assert not d.keys[M.PIECEWISE] and out.fallback is None
+        assert not [
+            k
+            for k in d.keys[M.FULL]
+            if k.num_tokens == min(fitting) and (uniform or not k.uniform_decode)
+        ]
+        return
+    key = out.descriptor
+    assert key.num_tokens == min(fitting) >= num_tokens
+    assert key in d.keys[out.mode]
+    if out.mode == M.FULL:
+        assert key.num_reqs >= num_reqs
+        assert key.uniform_decode == uniform or not key.uniform_decode
+    else:
+        assert key.num_reqs is None
+
+
+def test_capture_order_full_first_largest_first():
+    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [1, 2, 4, 8], max_num_seqs=4)
+    assert d.capture_order() == [
+        (M.FULL, BatchDescriptor(4, 4, True)),
+        (M.FULL, BatchDescriptor(2, 2, True)),
+        (M.FULL, BatchDescriptor(1, 1, True)),
+        (M.PIECEWISE, BatchDescriptor(8)),
+        (M.PIECEWISE, BatchDescriptor(4)),
+        (M.PIECEWISE, BatchDescriptor(2)),
+        (M.PIECEWISE, BatchDescriptor(1)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def padded_engine():
+    """An eager engine whose runner pads as the dispatcher says (no graphs on the CPU)."""
+    model = TableAttentionModel(64, 4, 2, 64, seed=5)
+    engine = ga.compile(model, num_blocks=64, max_num_seqs=8, max_num_tokens=64, max_model_len=256)
+    d = CudagraphDispatcher(M.FULL, [1, 2, 4, 8, 16, 32, 64], max_num_seqs=8)
+    seen = []
+
+    def planner(num_tokens, num_reqs, uniform):
+        seen.append(d.dispatch(num_tokens, num_reqs, uniform))
+        return seen[-1]
+
+    engine.runner.planner = planner
+    return engine, model, seen
+
+
+@given(
+    shape=st.lists(
+        st.sampled_from([(0, 5), (9, 1), (3, 1), (0, 13), (20, 3)]), min_size=1, max_size=6
+    ),
+    seed=st.integers(0, 100),
+)
+def test_padded_steps_compute_the_real_tokens_and_touch_no_other_slot(padded_engine, shape, seed):
+    engine, model, seen = padded_engine
+    seqs = make_seqs(np.random.default_rng(seed), shape, 64, 16, 64)
+    for s in seqs:
+        if s.num_computed:
+            engine.step(ga.Batch.from_requests([s.prefix_request()]))
+    cache = engine.kv_cache.tensors["layers.0.attn"]
+    before = cache.clone()
+    out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+    plan_key = seen[-1].descriptor
+    b = engine.runner.buffers
+    t, r = sum(len(s.ids) - s.num_computed for s in seqs), len(seqs)
+    assert plan_key.num_tokens >= t
+    assert (b.slot_mapping.np[t : plan_key.num_tokens] == -1).all()  # padding: slot -1 only
+    assert (b.slot_mapping.np[:t] >= 0).all()
+    assert (b.seq_lens.np[r : plan_key.num_reqs] == 0).all()
+    expected = torch.cat([model.expected(s.ids, len(s.ids) - s.num_computed) for s in seqs])
+    assert rel_err(out, expected) < 1e-5
+    written = {int(x) for x in b.slot_mapping.np[:t]}
+    slots_changed = (cache != before).reshape(2, cache.shape[1] * cache.shape[2], -1).any(-1).any(0)
+    changed = slots_changed.nonzero().flatten().tolist()
+    assert set(changed) <= written  # nothing but the real tokens' slots changed
