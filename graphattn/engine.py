@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from graphattn._logging import logger
-from graphattn.attention.forward_context import set_forward_context
+from graphattn.attention.forward_context import BoundLayer, set_forward_context
 from graphattn.attention.groups import AttentionGroup, build_attention_groups
 from graphattn.attention.layer import Attention
 from graphattn.attention.registry import select_backend
@@ -50,14 +50,14 @@ class CompiledModel:
             else parse_dtype(config.kv_cache_dtype, "kv_cache_dtype")
         )
         self.layers = find_attention_layers(model)
-        self._select_backends()
+        self.bound = self._select_backends()
         self.kv_cache, self.attn_groups = self._allocate_kv_cache()
         self.requested_mode = config.cudagraph_mode
         self.resolved_mode, self.fallbacks = self._negotiate_mode()
         self.stats = EngineStats()
         self.runner = ModelRunner(
             self.model,
-            dict(self.layers),
+            self.bound,
             self.kv_cache.groups,
             self.attn_groups,
             self._limits(),
@@ -112,31 +112,35 @@ class CompiledModel:
 
     # -- start-up ---------------------------------------------------------------------
 
-    def _select_backends(self) -> None:
-        self.selected_by: dict[str, str] = {}
+    def _select_backends(self) -> dict[str, BoundLayer]:
+        """Each layer's backend under this engine's settings, with the engine's own impl."""
+        bound, self.selections, self.selected_by = {}, {}, {}
         for name, layer in self.layers.items():
             requested = layer.requested_backend or self.config.attention_backend
             cfg = layer.selector_config(
                 self.dtype, self.kv_cache_dtype, self.config.block_size, self.device.type
             )
-            layer.set_backend(select_backend(cfg, requested), self.kv_cache_dtype)
+            selection = select_backend(cfg, requested)
+            impl = layer.make_impl(selection.backend, self.kv_cache_dtype)
+            bound[name] = BoundLayer(layer, selection.backend, impl)
+            self.selections[name] = selection
             self.selected_by[name] = (
                 "layer" if layer.requested_backend else "config" if requested else "auto"
             )
+        return bound
 
     def _allocate_kv_cache(self) -> tuple[KVCache, list[AttentionGroup]]:
         specs = {
-            n: layer.get_kv_cache_spec(self.config.block_size, self.kv_cache_dtype)
-            for n, layer in self.layers.items()
+            n: b.layer.get_kv_cache_spec(self.config.block_size, self.kv_cache_dtype)
+            for n, b in self.bound.items()
         }
         kernel_sizes = {
-            n: layer.attn_backend.get_supported_kernel_block_sizes()
-            for n, layer in self.layers.items()
+            n: b.backend.get_supported_kernel_block_sizes() for n, b in self.bound.items()
         }
         kv_groups = group_layers_by_spec(specs, kernel_sizes)
 
         def shape_of(name: str, group: KVCacheGroup, kernel_blocks: int) -> tuple[int, ...]:
-            return self.layers[name].attn_backend.get_kv_cache_shape(
+            return self.bound[name].backend.get_kv_cache_shape(
                 kernel_blocks,
                 group.kernel_block_size,
                 group.spec.num_kv_heads,
@@ -144,9 +148,9 @@ class CompiledModel:
             )
 
         kv_cache = KVCache(kv_groups, self.config.num_blocks, shape_of, self.device)
-        for name, layer in self.layers.items():
-            layer.kv_cache = kv_cache.tensors[name]
-        groups = build_attention_groups(kv_groups, self.layers)
+        for name, b in self.bound.items():
+            b.kv_cache = kv_cache.tensors[name]
+        groups = build_attention_groups(kv_groups, self.bound)
         for group in groups:
             builder_cls = group.backend.get_builder_cls()
             group.builder = builder_cls(
@@ -205,7 +209,7 @@ class CompiledModel:
         )
         n = c.max_num_tokens
         example = (self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n])
-        with torch.inference_mode(), set_forward_context(None, layers=self.layers):
+        with torch.inference_mode(), set_forward_context(None, layers=self.bound):
             return compile_model(
                 self.model, options, example, piece_wrapper=self.graphs.piece_wrapper()
             )
@@ -219,7 +223,7 @@ class CompiledModel:
             "device": torch.cuda.get_device_name(self.device)
             if self.device.type == "cuda"
             else "cpu",
-            "backends": {n: layer.attn_backend.full_cls_name() for n, layer in self.layers.items()},
+            "backends": {n: b.backend.full_cls_name() for n, b in self.bound.items()},
             "splitting_ops": list(c.splitting_ops or ()),
             "compile_backend": c.compile_backend,
             "compile_sizes": list(c.compile_sizes),
@@ -243,12 +247,12 @@ class CompiledModel:
         layers = [
             LayerInfo(
                 n,
-                layer.attn_backend.get_name(),
+                b.backend.get_name(),
                 group_of[n],
                 self.selected_by[n],
-                layer.selection.rejected,
+                self.selections[n].rejected,
             )
-            for n, layer in self.layers.items()
+            for n, b in self.bound.items()
         ]
         groups = [
             GroupInfo(

@@ -93,7 +93,7 @@ def test_layer_inputs_are_checked():
     engine = ga.compile(model, num_blocks=4)
     attn = model.attns[0]
     q = torch.randn(3, 128)
-    with set_forward_context(None, layers=engine.runner.layers):
+    with set_forward_context(None, layers=engine.bound):
         with pytest.raises(ga.InvalidInputError, match=r"key must be \[3, 128\]"):
             attn(q, torch.randn(3, 64), torch.randn(3, 128))
         with pytest.raises(ga.InvalidInputError, match="all three must match"):

@@ -68,14 +68,14 @@ class _Spy:
                 return _build(prefix_len, cam)
 
             group.builder.build = counted
-        for name, layer in engine.layers.items():
-            forward = layer.impl.forward
+        for name, bound in engine.bound.items():
+            forward = bound.impl.forward
 
             def seen(layer_, q, k, v, cache, md, out, *a, _name=name, _fwd=forward, **kw):
                 self.seen[_name] = id(md)
                 return _fwd(layer_, q, k, v, cache, md, out, *a, **kw)
 
-            layer.impl.forward = seen
+            bound.impl.forward = seen
 
 
 def test_grouping_one_builder_and_one_metadata_per_group():
@@ -158,3 +158,20 @@ def test_strict_turns_a_fallback_into_an_error():
 
 def test_default_mode_is_full_and_piecewise():
     assert ga.CompileConfig().cudagraph_mode == ga.CUDAGraphMode.FULL_AND_PIECEWISE
+
+
+def test_two_engines_can_serve_one_model():
+    """Each engine keeps its own impls and caches: interleaved steps do not disturb each other."""
+    model = TableAttentionModel(64, 4, 2, 64, seed=9)
+    a = ga.compile(model, cudagraph_mode="NONE", num_blocks=32, block_size=16)
+    b = ga.compile(model, cudagraph_mode="NONE", num_blocks=8, block_size=32)
+    seqs = make_seqs(np.random.default_rng(3), [(12, 1), (0, 7)], 64, 32, 8)
+    for s in seqs:  # prefixes into b only
+        if s.num_computed:
+            b.step(ga.Batch.from_requests([s.prefix_request()]))
+    a.step(ga.Batch.from_requests([ga.Request(list(range(30)), 0, [0, 1])]))
+    out = b.step(ga.Batch.from_requests([s.request() for s in seqs]))
+    expected = torch.cat([model.expected(s.ids, len(s.ids) - s.num_computed) for s in seqs])
+    assert rel_err(out, expected) < 1e-5
+    assert a.kv_cache.tensors["layers.0.attn"].shape[2] == 16
+    assert b.kv_cache.tensors["layers.0.attn"].shape[2] == 32

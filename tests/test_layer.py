@@ -20,7 +20,7 @@ def test_flat_and_unflattened_inputs_give_the_same_output():
     plan = engine.runner.prepare_inputs(batch)
     md = engine.runner.build_metadata(engine.runner.common_metadata(plan))
     slots = dict.fromkeys(md, engine.runner.buffers.slot_mapping.gpu[:3])
-    with set_forward_context(md, layers=engine.runner.layers, slot_mapping=slots):
+    with set_forward_context(md, layers=engine.bound, slot_mapping=slots):
         flat = attn(q, k, v)
         unflat = attn(q.view(3, 4, 64), k.view(3, 2, 64), v.view(3, 2, 64))
     assert flat.shape == (3, 256)

@@ -86,7 +86,7 @@ def test_profile_run_without_metadata_gives_zeros():
     model = TableAttentionModel(16, 4, 2, 64)
     engine = _engine(model, 16, "cpu")
     ids = torch.arange(5)
-    with set_forward_context(None, layers=engine.runner.layers):
+    with set_forward_context(None, layers=engine.bound):
         out = model(ids, ids)
     assert out.shape == (5, 4 * 64)
     assert torch.count_nonzero(out) == 0

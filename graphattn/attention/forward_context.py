@@ -14,12 +14,24 @@ from graphattn.errors import ForwardContextError
 
 
 @dataclass
+class BoundLayer:
+    """One attention layer as an engine runs it: the module with the engine's backend, impl
+    and cache tensor. Kept by the engine, not the module, so several engines can serve one model.
+    """
+
+    layer: Any  # the ga.Attention module
+    backend: Any  # its AttentionBackend class in this engine
+    impl: Any  # the engine's AttentionImpl for it
+    kv_cache: torch.Tensor | None = None
+
+
+@dataclass
 class ForwardContext:
     """What one step's attention ops need; set by the runner around the model call.
 
-    ``layers`` is static for an engine (layer name -> ``Attention`` module, whose
-    ``kv_cache`` is the layer's cache tensor). ``attn_metadata`` and ``slot_mapping`` map
-    every layer name to its group's object for this step; both are None in a profile run.
+    ``layers`` is static for an engine (layer name -> ``BoundLayer``). ``attn_metadata``
+    and ``slot_mapping`` map every layer name to its group's object for this step; both
+    are None in a profile run.
     """
 
     layers: Mapping[str, Any]

@@ -31,17 +31,18 @@ def build_attention_groups(
 ) -> list[AttentionGroup]:
     """Partition each KV-cache group's layers by (backend class, spec, query heads).
 
-    Groups are numbered in the order their first layer appears.
+    ``layers`` maps names to ``BoundLayer``s. Groups are numbered in the order their first
+    layer appears.
     """
     groups: list[AttentionGroup] = []
     for kv_group in kv_cache_groups:
         by_key: dict[tuple, AttentionGroup] = {}
         for name in kv_group.layer_names:
-            layer = layers[name]
-            key = (layer.attn_backend, kv_group.spec, layer.num_heads)
+            bound = layers[name]
+            key = (bound.backend, kv_group.spec, bound.layer.num_heads)
             if key not in by_key:
                 by_key[key] = AttentionGroup(
-                    len(groups), layer.attn_backend, kv_group, layer.num_heads
+                    len(groups), bound.backend, kv_group, bound.layer.num_heads
                 )
                 groups.append(by_key[key])
             by_key[key].layer_names.append(name)

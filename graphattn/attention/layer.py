@@ -21,7 +21,9 @@ class Attention(nn.Module):
     ``[T, Hkv*D]``, or ``[T, H, D]``) and returns ``[T, Hq*D]``. The layer's backend is
     selected in the constructor from what is known then (the default dtype and device)
     and confirmed by ``ga.compile`` against the engine's configuration, which may select
-    again. ``prefix`` names the layer; it must be unique in the model.
+    again: an engine keeps its own backend, impl and cache per layer (see ``BoundLayer``),
+    so one model can serve several engines. ``prefix`` names the layer; it must be unique
+    in the model.
     """
 
     def __init__(
@@ -47,9 +49,6 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.layer_name = prefix
         self.requested_backend = backend
-        # Set by the engine when it allocates the cache; a plain attribute (not a buffer)
-        # so it stays out of state_dict and .to(), and out of the traced graph.
-        self.kv_cache = torch.empty(0)
         if backend is not None:  # validated against the real configuration in ga.compile
             self.set_backend(Selection(get_backend(backend), explicit=True), None)
         else:
@@ -78,7 +77,11 @@ class Attention(nn.Module):
         """Use ``selection.backend`` from now on: a fresh impl for this layer."""
         self.selection = selection
         self.attn_backend: type[AttentionBackend] = selection.backend
-        self.impl = selection.backend.get_impl_cls()(
+        self.impl = self.make_impl(selection.backend, kv_cache_dtype)
+
+    def make_impl(self, backend: type[AttentionBackend], kv_cache_dtype: torch.dtype | None):
+        """An impl of ``backend`` for this layer's shape (engines make their own)."""
+        return backend.get_impl_cls()(
             self.num_heads,
             self.head_size,
             self.scale,
@@ -103,9 +106,7 @@ class Attention(nn.Module):
         k = key.reshape(num_tokens, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
         v = value.reshape(num_tokens, self.num_kv_heads, self.head_size)
         output = torch.empty_like(q)  # [T, Hq, D]
-        dep = None
-        if not self.attn_backend.forward_includes_kv_cache_update:
-            dep = torch.ops.graphattn.unified_kv_cache_update(k, v, self.layer_name)
+        dep = torch.ops.graphattn.unified_kv_cache_update(k, v, self.layer_name)
         torch.ops.graphattn.unified_attention_with_output(q, k, v, output, self.layer_name, dep)
         return output.view(num_tokens, self.num_heads * self.head_size)
 
@@ -126,11 +127,6 @@ class Attention(nn.Module):
                     f"{self.layer_name}: {name} is {x.dtype} on {x.device}, query is "
                     f"{query.dtype} on {query.device}; all three must match"
                 )
-        cache = self.kv_cache
-        if cache.numel() and cache.device != query.device:
-            raise InvalidInputError(
-                f"{self.layer_name}: inputs are on {query.device}, the KV cache on {cache.device}"
-            )
 
     def extra_repr(self) -> str:
         sw = f", sliding_window={self.sliding_window}" if self.sliding_window else ""

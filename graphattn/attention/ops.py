@@ -14,9 +14,11 @@ from graphattn.attention.forward_context import get_forward_context
 
 _lib = torch.library.Library("graphattn", "FRAGMENT")
 
-# The KV-cache update returns an empty tensor that the attention op takes as input: a data
-# dependency that keeps the update alive and ordered before attention through Dynamo's and
-# Inductor's dead-code elimination (the cache itself is not an argument of either op).
+# Every layer calls the KV-cache update and then attention, whatever its backend (the update
+# does nothing for backends whose forward writes the cache), so the traced graph does not
+# depend on the backend. The update returns an empty tensor that attention takes as input: a
+# data dependency that keeps the update alive and ordered before attention through Dynamo's
+# and Inductor's dead-code elimination (the cache itself is not an argument of either op).
 _lib.define("unified_kv_cache_update(Tensor key, Tensor value, str layer_name) -> Tensor")
 _lib.define(
     "unified_attention_with_output(Tensor query, Tensor key, Tensor value, Tensor(a!) output, "
@@ -26,10 +28,10 @@ _lib.define(
 
 def _kv_cache_update(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
     ctx = get_forward_context()
-    if ctx.slot_mapping is not None:
-        layer = ctx.layer(layer_name)
+    bound = ctx.layer(layer_name)
+    if ctx.slot_mapping is not None and not bound.backend.forward_includes_kv_cache_update:
         slot_mapping = ctx.slot_mapping[layer_name]
-        layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slot_mapping)
+        bound.impl.do_kv_cache_update(bound.layer, key, value, bound.kv_cache, slot_mapping)
     return key.new_empty(0)
 
 
@@ -42,9 +44,9 @@ def _attention(
     kv_cache_dep: torch.Tensor | None = None,
 ) -> None:
     ctx = get_forward_context()
-    layer = ctx.layer(layer_name)
+    bound = ctx.layer(layer_name)
     metadata = None if ctx.attn_metadata is None else ctx.attn_metadata[layer_name]
-    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output)
+    bound.impl.forward(bound.layer, query, key, value, bound.kv_cache, metadata, output)
 
 
 for _key in ("CPU", "CUDA"):
