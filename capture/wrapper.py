@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +102,15 @@ class CUDAGraphWrapper:
         graph.capture_begin(pool=self.state.pool)
         try:
             output = self.runnable(*args)
-        finally:
-            graph.capture_end()
+        except RuntimeError as e:
+            _abandon(graph)
+            raise CaptureError(
+                f"{self.name}: capturing the {self.runtime_mode} graph for {key} failed: {e}. "
+                "Code inside a graph must not synchronize with the host (.item(), .tolist(), "
+                ".cpu(), printing a tensor, host-to-device copies of new tensors); a backend "
+                "that does must declare AttentionCGSupport.NEVER."
+            ) from e
+        graph.capture_end()
         # Keep only non-owning views: the memory returns to the shared pool when the caller
         # drops `output`, and graphs captured later (for other sizes, which never replay at
         # the same time) may reuse it.
@@ -119,6 +126,13 @@ class CUDAGraphWrapper:
                 f"{self.name}: replay of {key} got inputs at other addresses than at capture "
                 f"(tensor arguments {moved}); graphs read inputs by address"
             )
+
+
+def _abandon(graph: torch.cuda.CUDAGraph) -> None:
+    """End a capture that failed midway, ignoring the error the aborted capture reports."""
+    with suppress(RuntimeError):
+        graph.capture_end()
+    torch.cuda.synchronize()
 
 
 def _addresses(args: tuple[Any, ...]) -> tuple[int, ...]:

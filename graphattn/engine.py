@@ -54,7 +54,7 @@ class CompiledModel:
         self.kv_cache, self.attn_groups = self._allocate_kv_cache()
         self.requested_mode = config.cudagraph_mode
         self.resolved_mode, self.fallbacks = self._negotiate_mode()
-        self.stats = EngineStats()
+        self._stats = EngineStats()
         self.runner = ModelRunner(
             self.model,
             self.bound,
@@ -62,7 +62,7 @@ class CompiledModel:
             self.attn_groups,
             self._limits(),
             self.device,
-            stats=self.stats,
+            stats=self._stats,
         )
         self.graphs = CaptureManager(
             self.resolved_mode,
@@ -81,6 +81,13 @@ class CompiledModel:
         logger.info("graphattn engine ready:\n%s", self.report)
 
     # -- per step ---------------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """What steps did: steps and tokens, runtime modes, per-step fallbacks, recompiles."""
+        if self.compiled is not None:
+            self._stats.recompiles = self.compiled.num_recompiles
+        return self._stats
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> torch.Tensor:

@@ -1,0 +1,138 @@
+"""What graphattn guarantees about the classic CUDA-graph pitfalls (each needs CUDA).
+
+- A step's output is never overwritten by a later replay.
+- Host scalars are not frozen at capture: a graph replayed for a batch with other lengths
+  and other token counts (padded to the same size) computes that batch.
+- Host synchronization inside a captured region is a CaptureError at start-up that says
+  what went wrong, never a hang or a silently wrong graph.
+- Capture after start-up is an error; nothing captures lazily at serve time.
+- Inputs are read by address: debug mode checks the addresses at every replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TableAttentionModel, make_seqs, rel_err
+
+import graphattn as ga
+from graphattn.attention import AttentionCGSupport
+from graphattn.attention.backends.torch_ref import TorchRefBackend, TorchRefMetadataBuilder
+
+pytestmark = pytest.mark.gpu
+LIMITS = dict(max_num_seqs=16, max_num_tokens=64, max_model_len=256, num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def full_engine():
+    model = TableAttentionModel(64, 8, 2, 64, seed=3).to("cuda", torch.bfloat16)
+    eng = ga.compile(
+        model,
+        cudagraph_mode="FULL_DECODE_ONLY",
+        compile_backend="none",
+        attention_backend="TRITON",
+        cudagraph_capture_sizes=[4, 8],
+        debug=True,
+        **LIMITS,
+    )
+    return eng, model
+
+
+def _decode_batch(seqs):
+    return ga.Batch.from_requests([s.request() for s in seqs])
+
+
+def _prefill(eng, seqs):
+    eng.step(ga.Batch.from_requests([s.prefix_request() for s in seqs]))
+
+
+def test_output_survives_the_next_replay(full_engine):
+    eng, _ = full_engine
+    import numpy as np
+
+    a = make_seqs(np.random.default_rng(1), [(20, 1)] * 3, 64, 16, 64)
+    _prefill(eng, a)
+    out_a = eng.step(_decode_batch(a))
+    kept = out_a.clone()
+    b = make_seqs(np.random.default_rng(2), [(30, 1)] * 3, 64, 16, 64)
+    _prefill(eng, b)
+    eng.step(_decode_batch(b))  # same padded size: the same graph replays
+    assert eng.stats.runtime_modes["FULL"] >= 2
+    assert torch.equal(out_a, kept)
+
+
+def test_host_scalars_are_not_frozen_at_capture(full_engine):
+    """Batches of 5, 6 and 8 decodes with different lengths all replay the 8-token graph."""
+    import numpy as np
+
+    eng, model = full_engine
+    for n, ctx, seed in ((5, 17, 3), (6, 90, 4), (8, 33, 5)):
+        seqs = make_seqs(np.random.default_rng(seed), [(ctx + i, 1) for i in range(n)], 64, 16, 64)
+        _prefill(eng, seqs)
+        full_before = eng.stats.runtime_modes["FULL"]
+        out = eng.step(_decode_batch(seqs))
+        assert eng.stats.runtime_modes["FULL"] == full_before + 1
+        model_cpu = model.float().cpu()
+        expected = torch.cat([model_cpu.expected(s.ids, 1) for s in seqs])
+        model.to("cuda", torch.bfloat16)
+        assert rel_err(out, expected) < 2e-2
+
+
+class _SyncingBuilder(TorchRefMetadataBuilder):
+    cudagraph_support = AttentionCGSupport.ALWAYS  # a false claim: forward syncs with the host
+
+
+class _SyncingBackend(TorchRefBackend):
+    @staticmethod
+    def get_name():
+        return "SYNCING"
+
+    @staticmethod
+    def get_builder_cls():
+        return _SyncingBuilder
+
+
+def test_host_sync_during_capture_is_a_clear_error():
+    ga.register_backend(_SyncingBackend, {}, replace=True)
+    model = TableAttentionModel(16, 4, 2, 64).to("cuda", torch.bfloat16)
+    with pytest.raises(ga.CaptureError, match="must not synchronize with the host"):
+        ga.compile(
+            model,
+            cudagraph_mode="FULL_DECODE_ONLY",
+            compile_backend="none",
+            attention_backend="SYNCING",
+            cudagraph_capture_sizes=[2],
+            **LIMITS,
+        )
+    # the device is still usable afterwards
+    assert torch.ones(2, device="cuda").sum().item() == 2
+
+
+def test_capture_after_startup_is_an_error(full_engine):
+    from graphattn.attention.forward_context import set_forward_context
+    from graphattn.capture.dispatcher import BatchDescriptor
+
+    eng, _ = full_engine
+    ids = eng.runner.buffers.input_ids.gpu[:2]
+    with (
+        set_forward_context(
+            {}, BatchDescriptor(2, 2, True), ga.CUDAGraphMode.FULL, layers=eng.bound
+        ),
+        pytest.raises(ga.CaptureError, match="capture is closed"),
+    ):
+        eng.runner.forward(ids, ids)
+
+
+def test_moved_inputs_are_caught_in_debug_mode(full_engine):
+    from graphattn.attention.forward_context import set_forward_context
+    from graphattn.capture.dispatcher import BatchDescriptor
+
+    eng, _ = full_engine
+    moved = torch.zeros(4, dtype=torch.int64, device="cuda")
+    with (
+        set_forward_context(
+            {}, BatchDescriptor(4, 4, True), ga.CUDAGraphMode.FULL, layers=eng.bound
+        ),
+        pytest.raises(ga.CaptureError, match="other addresses"),
+    ):
+        eng.runner.forward(moved, moved)
