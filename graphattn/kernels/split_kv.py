@@ -1,0 +1,137 @@
+"""Split-KV (Triton): the scratch for partial results, their store, and the reduction kernel.
+
+With split-KV each (query tile, KV head, split) program of ``unified_attention`` writes,
+per query row, its output normalised over its own keys and that output's log-sum-exp
+(base 2). The reduction merges the splits of each (token, query head):
+``out = sum_s 2^(lse_s - m) * out_s / sum_s 2^(lse_s - m)`` with ``m = max_s lse_s``.
+
+Scratch layout, flat fp32: ``out`` as ``[num_tokens, Hq, S, D]`` and ``lse`` as
+``[num_tokens, Hq, S]`` for the launch's token count, head count and split count; it is
+allocated once at the largest size and never per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from graphattn.kernels.attention_plan import SPLIT_SLOTS, AttentionPlan
+
+
+@dataclass(frozen=True)
+class SplitScratch:
+    """Partial outputs and log-sum-exps for up to ``max_tokens`` tokens."""
+
+    out: torch.Tensor  # [max_tokens * Hkv * SPLIT_SLOTS * D] fp32
+    lse: torch.Tensor  # [max_tokens * Hkv * SPLIT_SLOTS] fp32
+    max_tokens: int
+
+    @classmethod
+    def allocate(
+        cls, max_tokens: int, num_kv_heads: int, head_size: int, device: torch.device
+    ) -> SplitScratch:
+        rows = max_tokens * num_kv_heads * SPLIT_SLOTS
+        return cls(
+            torch.empty(rows * head_size, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device),
+            max_tokens,
+        )
+
+
+def check_scratch(scratch: SplitScratch | None, plan: AttentionPlan, device: torch.device) -> None:
+    """The scratch must hold this launch's partial results, on the launch's device."""
+    if scratch is None:
+        raise ValueError(f"split-KV with {plan.num_splits} splits needs a SplitScratch, got None")
+    rows = plan.num_tokens * plan.num_kv_heads * plan.group * plan.num_splits
+    if scratch.lse.numel() < rows or scratch.out.numel() < rows * plan.head_size:
+        raise ValueError(
+            f"split scratch holds {scratch.lse.numel()} partial rows, this launch needs {rows} "
+            f"({plan.num_tokens} tokens x {plan.num_kv_heads * plan.group} heads x "
+            f"{plan.num_splits} splits)"
+        )
+    for name, t in (("scratch.out", scratch.out), ("scratch.lse", scratch.lse)):
+        if t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"{name} must be float32 on {device}, got {t.dtype} on {t.device}")
+
+
+def reduce_splits(
+    scratch: SplitScratch,
+    output: torch.Tensor,  # [T, Hq, D]
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    plan: AttentionPlan,
+) -> None:
+    """Merge the partial results of every real token into ``output`` (padding rows: untouched
+    past the last request, zero for requests without keys)."""
+    _reduce_kernel[plan.reduce_grid](
+        scratch.out,
+        scratch.lse,
+        output,
+        query_start_loc,
+        plan.num_reqs,
+        plan.num_splits,
+        output.stride(0),
+        output.stride(1),
+        HEAD_SIZE=plan.head_size,
+        D_PAD=triton.next_power_of_2(plan.head_size),
+        S_PAD=triton.next_power_of_2(plan.num_splits),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def store_partial(
+    part_out_ptr,
+    part_lse_ptr,
+    out,  # [M, D] fp32, normalised over this split's keys
+    lse,  # [M] fp32, base 2; -inf where the split has no keys
+    token,  # [M] token index in the batch
+    head,  # [M] query head
+    row_ok,  # [M]
+    store_mask,  # [M, D]
+    dims,  # [D]
+    split,
+    num_splits,
+    num_heads,
+    HEAD_SIZE: tl.constexpr,
+):
+    """Write one split's rows into the scratch viewed as [T, Hq, S, D] and [T, Hq, S]."""
+    row = (token.to(tl.int64) * num_heads + head) * num_splits + split  # [M]
+    tl.store(part_lse_ptr + row, lse, mask=row_ok)
+    tl.store(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], out, mask=store_mask)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+def _reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):  # a padding token no request owns
+        return
+    num_heads = tl.num_programs(1)
+    splits = tl.arange(0, S_PAD)
+    dims = tl.arange(0, D_PAD)
+    row = (token.to(tl.int64) * num_heads + head) * num_splits + splits  # [S]
+    lse = tl.load(part_lse_ptr + row, mask=splits < num_splits, other=float("-inf"))
+    has_keys = lse > float("-inf")  # [S]
+    weight = tl.where(has_keys, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [S]
+    mask = has_keys[:, None] & (dims < HEAD_SIZE)[None, :]  # never read an empty split
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
+    total = tl.sum(weight, 0)
+    inv = tl.where(total > 0.0, 1.0 / total, 0.0)  # a request without keys gets zeros
+    out = tl.sum(parts * weight[:, None], 0) * inv  # [D]
+    dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)

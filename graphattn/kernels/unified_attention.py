@@ -1,0 +1,368 @@
+"""Unified paged attention (Triton): prefills, chunked prefills and decodes of one batch in one
+launch, with an optional split-KV pass whose partial results ``split_kv.reduce_splits`` merges.
+
+Reference: ``graphattn.kernels.reference.paged_attention_ref``.
+
+A program owns one query tile of one request and one KV head: ``block_q`` tokens x the
+``group`` query heads of that KV head, as ``block_m = block_q * group_pad`` rows (row ``r``
+is token ``r // group_pad``, head ``r % group_pad``), so each key and value tile is loaded
+once for the whole group. It finds its request by binary search over ``query_start_loc``
+and walks the request's keys causally in tiles of ``tile_n`` tokens gathered through the
+block table, with an online softmax in fp32 (base 2). Key tiles that no row of the tile can
+see are skipped; tiles every row sees in full run without masks.
+
+With ``num_splits`` > 1 the keys a tile sees are cut into that many segments (third grid
+axis); each program writes its normalised partial output and log-sum-exp to the scratch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from graphattn.kernels import split_kv
+from graphattn.kernels.attention_plan import SPLIT_SLOTS, AttentionPlan
+from graphattn.kernels.checks import (
+    expect_dim,
+    expect_dtype,
+    expect_min_dim,
+    expect_ndim,
+    expect_same_device,
+    expect_same_strides,
+    expect_unit_last_stride,
+)
+from graphattn.kernels.split_kv import store_partial
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = math.log2(math.e)
+
+
+def unified_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    value_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    output: torch.Tensor,  # [T, Hq, D], rows of real tokens are written
+    block_table: torch.Tensor,  # [R, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    plan: AttentionPlan,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    scratch: split_kv.SplitScratch | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cached sequence; see the module.
+
+    The first ``plan.num_tokens`` rows of ``query`` and ``plan.num_reqs`` requests are read.
+    Split-KV (``plan.num_splits`` > 1) needs ``scratch``.
+    """
+    _check(query, key_cache, value_cache, output, block_table, query_start_loc, seq_lens, plan)
+    if plan.num_splits > 1:
+        split_kv.check_scratch(scratch, plan, query.device)
+        partial_out, partial_lse = scratch.out, scratch.lse
+    else:
+        partial_out = partial_lse = output  # unused by the kernel
+    score_scale, cap_scale = _score_scales(scale, soft_cap)
+    t = plan.tiles
+    _attention_kernel[plan.grid](
+        query,
+        key_cache,
+        value_cache,
+        output,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        plan.num_reqs,
+        score_scale,
+        cap_scale,
+        sliding_window or 0,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        HEAD_SIZE=plan.head_size,
+        D_PAD=triton.next_power_of_2(plan.head_size),
+        GROUP=plan.group,
+        G_PAD=plan.group_pad,
+        BLOCK_M=t.block_m,
+        BLOCK_Q=plan.block_q,
+        TILE_N=t.tile_n,
+        BLOCK_SIZE=key_cache.shape[1],
+        SPLIT=plan.num_splits > 1,
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=soft_cap is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    if plan.num_splits > 1:
+        split_kv.reduce_splits(scratch, output, query_start_loc, plan)
+    return output
+
+
+def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
+    """(factor on q.k, factor after tanh): scores end in base-2 units for exp2."""
+    if soft_cap is None:
+        return scale * LOG2E, 1.0
+    return scale / soft_cap, soft_cap * LOG2E
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    part_out_ptr,  # [cap, Hq, S, D] fp32 flat, split-KV only
+    part_lse_ptr,  # [cap, Hq, S] fp32 flat, split-KV only
+    num_reqs,
+    score_scale,
+    cap_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,  # cache strides (both caches share them): block, slot in block, head
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    HEAD_SIZE: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Last tiles first: under causal masking they see the most keys, so the long programs
+    # start in the first wave and the short ones fill the tail.
+    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    first = (tile_id - q_start // BLOCK_Q - req) * BLOCK_Q  # the tile's first token in the request
+    if first >= q_len:  # no tile here: the request has fewer tiles than its bound
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context = seq_len - q_len
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // G_PAD  # [M] query token within the request
+    head = kv_head * GROUP + rows % G_PAD  # [M] query head
+    row_ok = (token < q_len) & (rows % G_PAD < GROUP)  # [M]
+    q_pos = context + token  # [M] position in the sequence
+    dims = tl.arange(0, D_PAD)
+    dim_ok = dims < HEAD_SIZE
+    q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh  # [M]
+    q = tl.load(
+        q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
+    )  # [M, D]
+
+    # Keys the tile sees: [lo, hi), then this program's split of them.
+    first_pos = context + first
+    hi = tl.minimum(context + first + BLOCK_Q, seq_len)  # past the tile's last query position
+    lo = first_pos * 0
+    if SLIDING:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    if SPLIT:
+        lo, hi = _split_range(lo, hi, TILE_N)
+    # Tiles below the first query position are seen by every row: no masks there.
+    if SLIDING:
+        mid = lo
+    else:
+        full = tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // TILE_N
+        mid = lo + full * TILE_N
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, lo, mid, hi, q_pos,
+        window, score_scale, cap_scale, stride_cb, stride_cs, dims,
+        HEAD_SIZE, D_PAD, TILE_N, BLOCK_SIZE, False, SLIDING, SOFT_CAP, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, mid, hi, hi, q_pos,
+        window, score_scale, cap_scale, stride_cb, stride_cs, dims,
+        HEAD_SIZE, D_PAD, TILE_N, BLOCK_SIZE, True, SLIDING, SOFT_CAP, DOT_PRECISION,
+    )  # fmt: skip
+
+    has_keys = l_i > 0.0  # false only for rows that see nothing (padding, empty splits)
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [M, D]
+    store_mask = row_ok[:, None] & dim_ok[None, :]
+    if SPLIT:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        store_partial(
+            part_out_ptr, part_lse_ptr, out, lse, q_start + token, head, row_ok, store_mask,
+            dims, tl.program_id(2), tl.num_programs(2), GROUP * tl.num_programs(1), HEAD_SIZE,
+        )  # fmt: skip
+    else:
+        o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh  # [M]
+        tl.store(
+            out_ptr + o_rows[:, None] + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr):
+    """The last request whose first tile ``query_start_loc[i] // BLOCK_Q + i`` is <= tile_id."""
+    lo = num_reqs * 0
+    hi = num_reqs + 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        below = first_tile <= tile_id
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def _split_range(lo, hi, TILE_N: tl.constexpr):
+    """This program's segment of [lo, hi): equal whole tiles per split, the last one shorter."""
+    num_splits = tl.num_programs(2)
+    span = tl.maximum(hi - lo, 0)
+    seg = tl.cdiv(tl.cdiv(span, num_splits), TILE_N) * TILE_N
+    start = lo + tl.program_id(2) * seg
+    return start, tl.minimum(start + seg, hi)
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, stop, seen_end, q_pos,
+    window, score_scale, cap_scale, stride_cb, stride_cs, dims,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over keys [start, stop) in tiles; keys at or past ``seen_end`` are masked.
+
+    acc: [M, D] fp32, l_i and m_i: [M] fp32 (running sum and max, base 2); q: [M, D].
+    """
+    offs_n = tl.arange(0, TILE_N)
+    for n0 in range(start, stop, TILE_N):
+        n = n0 + offs_n  # [N] key positions
+        n_ok = n < seen_end
+        k, v = _load_kv(
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, n, n_ok, dims, stride_cb, stride_cs,
+            HEAD_SIZE, D_PAD, BLOCK_SIZE, MASKED,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * score_scale
+        if SOFT_CAP:
+            s = _tanh(s) * cap_scale
+        if MASKED:
+            visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])  # [M, N]
+            if SLIDING:
+                visible = visible & (q_pos[:, None] - n[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(
+            p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION
+        )
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _load_kv(
+    k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, n, n_ok, dims, stride_cb, stride_cs,
+    HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """Key and value tiles [N, D] of positions ``n``, gathered through the block table."""
+    if MASKED:
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0)
+    else:
+        block = tl.load(bt_row + n // BLOCK_SIZE)
+    rows = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head_off  # [N]
+    offs = rows[:, None] + dims[None, :]  # [N, D]
+    if MASKED:
+        mask = n_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    elif HEAD_SIZE == D_PAD:
+        k = tl.load(k_cache_ptr + offs)
+        v = tl.load(v_cache_ptr + offs)
+    else:
+        mask = (dims < HEAD_SIZE)[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2, saturating cleanly at +-1 for large |x|."""
+    e = tl.exp2(x * 2.8853900817779268)  # exp(2x)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+def _check(query, key_cache, value_cache, output, block_table, query_start_loc, seq_lens, plan):
+    expect_ndim("query", query, 3, "[num_tokens, num_heads, head_size]")
+    expect_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
+    expect_ndim("block_table", block_table, 2, "[num_reqs, max_blocks]")
+    num_heads = plan.num_kv_heads * plan.group
+    expect_min_dim("query", query, 0, plan.num_tokens, "num_tokens (padded)")
+    expect_dim("query", query, 1, num_heads, "num_heads")
+    expect_dim("query", query, 2, plan.head_size, "head_size")
+    if output.shape != query.shape:
+        raise ValueError(
+            f"output must have query's shape {list(query.shape)}, got {list(output.shape)}"
+        )
+    expect_same_strides("key_cache", key_cache, "value_cache", value_cache)
+    expect_dim("key_cache", key_cache, 2, plan.num_kv_heads, "num_kv_heads")
+    expect_dim("key_cache", key_cache, 3, plan.head_size, "head_size")
+    expect_min_dim("block_table", block_table, 0, plan.num_reqs, "num_reqs (padded)")
+    expect_min_dim("query_start_loc", query_start_loc, 0, plan.num_reqs + 1, "num_reqs + 1")
+    expect_min_dim("seq_lens", seq_lens, 0, plan.num_reqs, "num_reqs")
+    for name, t in (("query", query), ("output", output), ("key_cache", key_cache)):
+        expect_dtype(name, t, FLOAT_DTYPES)
+        expect_unit_last_stride(name, t)
+    expect_dtype("output", output, (query.dtype,))
+    expect_dtype("value_cache", value_cache, (key_cache.dtype,))
+    for name, t in (
+        ("block_table", block_table),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+    ):
+        expect_dtype(name, t, (torch.int32,))
+    expect_unit_last_stride("block_table", block_table)
+    expect_same_device(
+        {
+            "query": query,
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "output": output,
+            "block_table": block_table,
+            "query_start_loc": query_start_loc,
+            "seq_lens": seq_lens,
+        }
+    )
+
+
+__all__ = ["SPLIT_SLOTS", "AttentionPlan", "unified_attention"]
