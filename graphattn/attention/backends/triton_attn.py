@@ -1,1 +1,240 @@
-"""TRITON: the production backend (kernels in graphattn.kernels); filled in by the Triton issue."""
+"""TRITON: the production backend, Triton kernels over the paged KV cache (graphattn.kernels).
+
+Full CUDA graphs for any batch (``AttentionCGSupport.ALWAYS``): the launch — which path,
+grid, tile constants — is a function of the padded token and request counts and static
+configuration only (``graphattn.kernels.attention_plan``); the kernels read every
+per-request length from device tensors. The KV-cache write is a separate op
+(``do_kv_cache_update``). On the CPU it runs under the Triton interpreter
+(``TRITON_INTERPRET=1``), ranked below TORCH_REF.
+
+The kernel modules are imported when the first builder or impl is made, not with this
+module: Triton decides between compiling and interpreting when a kernel is defined, and
+this module must import where Triton is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from graphattn import envs
+from graphattn.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionSelectorConfig,
+    CommonAttentionMetadata,
+)
+from graphattn.attention.registry import register_backend
+
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
+MAX_GROUP = 64  # query heads per KV head (attention_plan.MAX_GROUP)
+CPU_NUM_SMS = 4  # "SMs" the split choice assumes under the interpreter (exercises split-KV)
+
+
+@dataclass(slots=True)
+class TritonMetadata:
+    """One step of one attention group: the padded batch's device tensors and launch sizes."""
+
+    num_actual_tokens: int
+    num_input_tokens: int  # padded; the launch covers this many tokens
+    num_reqs: int  # padded
+    num_splits: int  # split-KV splits asked for (the impl caps them by its head group)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, kernel blocks
+    slot_mapping: torch.Tensor  # [num_input_tokens] int64, -1 for padding
+    scratch: Any  # split_kv.SplitScratch, shared by the group's layers
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
+    """Owns the split-KV scratch (allocated once, at the largest decode batch) and turns each
+    step's padded ``CommonAttentionMetadata`` into ``TritonMetadata`` without a device sync.
+    """
+
+    cudagraph_support = AttentionCGSupport.ALWAYS
+    reorder_batch_threshold = 1  # the kernels need no order; decodes first keeps TORCH_REF's
+
+    def __init__(self, kv_cache_spec, layer_names, config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        split_kv = _kernels().split_kv
+        # Split-KV runs for batches of at most max_num_seqs tokens (decode-sized).
+        self.split_capacity = config.max_num_seqs
+        self.scratch = split_kv.SplitScratch.allocate(
+            self.split_capacity, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, device
+        )
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else CPU_NUM_SMS
+        )
+        self._splits: dict[tuple[int, int], int] = {}
+
+    def build(self, common_prefix_len: int, cam: CommonAttentionMetadata) -> TritonMetadata:
+        return TritonMetadata(
+            cam.num_actual_tokens,
+            cam.num_input_tokens,
+            cam.num_reqs,
+            self.num_splits(cam.num_input_tokens, cam.num_reqs),
+            cam.query_start_loc,
+            cam.seq_lens,
+            cam.block_table_tensor,
+            cam.slot_mapping,
+            self.scratch,
+        )
+
+    def build_for_cudagraph_capture(self, cam: CommonAttentionMetadata) -> TritonMetadata:
+        """The same as ``build``: nothing in the metadata depends on the capture batch's lengths."""
+        return self.build(0, cam)
+
+    def num_splits(self, num_tokens: int, num_reqs: int) -> int:
+        """Split-KV splits for a padded batch: more than one only for decode-sized batches
+        with too few (request, KV head) pairs to fill the GPU.
+        """
+        key = (num_tokens, num_reqs)
+        splits = self._splits.get(key)
+        if splits is None:
+            plan_mod = _kernels().attention_plan
+            splits = 1
+            if num_tokens <= self.split_capacity:
+                heads = self.kv_cache_spec.num_kv_heads
+                splits = plan_mod.choose_num_splits(num_reqs, heads, self.num_sms)
+            self._splits[key] = splits
+        return splits
+
+
+class TritonImpl(AttentionImpl):
+    """One layer's launches; the kernels are looked up per call (a cached import), so a
+    layer can name TRITON where Triton is missing and still get selection's clear error.
+    """
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "TRITON does not support fused output quantization (output_scale / "
+                "output_block_scale); use an unquantized output"
+            )
+        if attn_metadata is None:  # profile run
+            return output.zero_()
+        md: TritonMetadata = attn_metadata
+        key_cache, value_cache = kv_cache.unbind(0)
+        return _kernels().unified_attention.unified_attention(
+            query,
+            key_cache,
+            value_cache,
+            output,
+            md.block_table,
+            md.query_start_loc,
+            md.seq_lens,
+            self.plan(md, query.dtype, query.device.type),
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.logits_soft_cap,
+            scratch=md.scratch,
+        )
+
+    def plan(self, md: TritonMetadata, dtype: torch.dtype, device_type: str):
+        """This layer's launch for the step (cached: a function of padded sizes only)."""
+        return _kernels().attention_plan.plan_attention(
+            md.num_input_tokens,
+            md.num_reqs,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=dtype,
+            device_type=device_type,
+            num_splits=md.num_splits,
+        )
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        key_cache, value_cache = kv_cache.unbind(0)
+        _kernels().kv_cache_write.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+class TritonBackend(AttentionBackend):
+    forward_includes_kv_cache_update = False
+    supported_devices = ("cuda", "cpu")
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size in SUPPORTED_HEAD_SIZES
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def validate_configuration(cls, cfg: AttentionSelectorConfig) -> list[str]:
+        missing = _triton_import_error()
+        if missing is not None:
+            return [f"triton is not installed ({missing})"]
+        reasons = super().validate_configuration(cfg)
+        if not cls.supports_head_size(cfg.head_size):
+            reasons.append(f"head sizes supported: {list(SUPPORTED_HEAD_SIZES)}")
+        if cfg.device_type == "cpu" and not envs.triton_interpret():
+            reasons.append(
+                "on the cpu Triton runs only under its interpreter: set TRITON_INTERPRET=1 "
+                "before the first TRITON layer is made"
+            )
+        group = cfg.num_heads // max(cfg.num_kv_heads, 1)
+        if group > MAX_GROUP:
+            reasons.append(f"{group} query heads per KV head; the kernels take at most {MAX_GROUP}")
+        return reasons
+
+
+@functools.cache
+def _triton_import_error() -> str | None:
+    """Why ``import triton`` fails here, or None when it works."""
+    try:
+        importlib.import_module("triton")
+    except ImportError as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """The kernel package with its modules loaded (first call defines the Triton kernels)."""
+    for name in ("attention_plan", "kv_cache_write", "split_kv", "unified_attention"):
+        importlib.import_module(f"graphattn.kernels.{name}")
+    return importlib.import_module("graphattn.kernels")
+
+
+register_backend(TritonBackend, {"cuda": 100, "cpu": 10})
