@@ -374,33 +374,44 @@ def test_graphattn_imports_without_transformers_or_safetensors(zoo):
 
 # -- GPU: bf16 in every CUDA-graph mode ------------------------------------------------
 
-
-def _gpu_engine(model, mode: str):
-    # Graph modes need the traced, piecewise-compiled model; NONE runs it eagerly.
-    return ga.compile(
-        model,
-        cudagraph_mode=mode,
-        compile_backend="none" if mode == "NONE" else "inductor",
-        max_num_seqs=8,
-        max_num_tokens=256,
-        num_blocks=128,
-        max_model_len=128,
-    )
+_GPU: dict = {}
 
 
-def _gpu_pair(zoo, family):
-    """transformers in fp32 (the reference) and bf16 on the GPU, graphattn in bf16."""
-    hf32 = copy.deepcopy(zoo.model(family)).cuda()
-    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
-    return hf32, hf16, load(zoo.folder(family), dtype=torch.bfloat16, device="cuda")
+@pytest.fixture(scope="module")
+def gpu_setup(zoo, tmp_path_factory):
+    """(family, mode) -> (transformers fp32, transformers bf16, graphattn engine in bf16),
+    each built once: the two GPU tests share the compiled and captured engines.
+    """
+    cache_dir = str(tmp_path_factory.mktemp("compile-cache"))
+
+    def get(family: str, mode: str):
+        if (family, mode) not in _GPU:
+            hf32 = copy.deepcopy(zoo.model(family)).cuda()
+            hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+            model = load(zoo.folder(family), dtype=torch.bfloat16, device="cuda")
+            engine = ga.compile(
+                model,
+                cudagraph_mode=mode,
+                # graph modes need the traced, piecewise-compiled model; NONE runs it eagerly
+                compile_backend="none" if mode == "NONE" else "inductor",
+                cache_dir=cache_dir,
+                max_num_seqs=8,
+                max_num_tokens=256,
+                num_blocks=128,
+                max_model_len=128,
+            )
+            _GPU[family, mode] = (hf32, hf16, engine)
+        return _GPU[family, mode]
+
+    yield get
+    _GPU.clear()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_logits_match_transformers_on_gpu(zoo, family, mode):
-    hf32, hf16, model = _gpu_pair(zoo, family)
-    engine = _gpu_engine(model, mode)
+def test_bf16_logits_match_transformers_on_gpu(gpu_setup, family, mode):
+    hf32, hf16, engine = gpu_setup(family, mode)
     prompts = _prompts([23, 7, 40], seed=1)
     lens = [len(p) for p in prompts]
     seqs = [_hf_greedy(hf32, p, 10) for p in prompts]
@@ -408,16 +419,16 @@ def test_bf16_logits_match_transformers_on_gpu(zoo, family, mode):
         ref, theirs = _hf_logits(hf32, seq), _hf_logits(hf16, seq)
         # bf16 rounds in different places on each side (graphattn applies rope and the norm
         # weights in fp32, transformers in bf16), so graphattn's error is judged against
-        # transformers' own bf16 error, both measured from the fp32 run.
+        # transformers' own bf16 error, both measured from the fp32 run (on the CPU the two
+        # errors are within 20% of each other: about 2e-2 relative).
         assert rel_err(got, ref) <= 2 * rel_err(theirs, ref)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_batched_generation_follows_transformers_on_gpu(zoo, family, mode):
-    hf32, hf16, model = _gpu_pair(zoo, family)
-    engine = _gpu_engine(model, mode)
+def test_bf16_batched_generation_follows_transformers_on_gpu(gpu_setup, family, mode):
+    hf32, hf16, engine = gpu_setup(family, mode)
     prompts = _prompts([1, 6, 13, 31, 50], seed=2)
     together = engine.generate(prompts, 12)
     for prompt, ours in zip(prompts, together):
@@ -425,10 +436,13 @@ def test_bf16_batched_generation_follows_transformers_on_gpu(zoo, family, mode):
         n = len(prompt)
         ref = _hf_logits(hf32, seq)
         # bf16 may flip a near tie; after that the continuations are unrelated. A flip is
-        # allowed only where fp32 transformers' top-2 gap is within 4x the logit error that
-        # transformers' own bf16 run shows on this sequence.
-        tolerance = 4 * (_hf_logits(hf16, seq).float() - ref).abs().max().item()
+        # allowed only to fp32 transformers' runner-up, where its gap to the winner is within
+        # the error of a difference of two logits (2x the largest logit error) of
+        # transformers' own bf16 run.
+        tolerance = 2 * (_hf_logits(hf16, seq).float() - ref).abs().max().item()
         flips = [i for i, (a, b) in enumerate(zip(ours, seq[n:])) if a != b]
         if flips:
-            top2 = ref[n - 1 + flips[0]].topk(2).values
-            assert (top2[0] - top2[1]).item() <= tolerance, f"prompt {prompt}: {ours} != {seq[n:]}"
+            top2 = ref[n - 1 + flips[0]].topk(2)
+            gap = (top2.values[0] - top2.values[1]).item()
+            assert ours[flips[0]] == top2.indices[1].item(), f"prompt {prompt}: {ours} vs {seq[n:]}"
+            assert gap <= tolerance, f"prompt {prompt}: {ours} vs {seq[n:]}, gap {gap:.3g}"
