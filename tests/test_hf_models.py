@@ -31,20 +31,21 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 VOCAB = 300
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
-# llama: Llama 2's layout. llama3_rope: Llama 3.2's features (llama3 rope scaling that bites
-# within the test's lengths, a tied head, head_dim 32 != hidden/heads, one KV head).
-# qwen2: q/k/v biases and a tied head.
+# llama: Llama 2's layout (GQA). llama3_rope: Llama 3.2's features (llama3 rope scaling that
+# bites within the test's lengths, a tied head) with head_dim 96 != hidden/heads and one KV
+# head. qwen2: q/k/v biases and a tied head. Head sizes are ones the TRITON backend serves
+# (64, 96), so the GPU tests run it in every mode.
 FAMILIES = ["llama", "llama3_rope", "qwen2"]
 
 
 def _hf_config(family: str):
     common = dict(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
+        hidden_size=128,
+        intermediate_size=192,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         bos_token_id=None,
@@ -61,10 +62,10 @@ def _hf_config(family: str):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32,  # wavelengths above 8 tokens are changed
         }
-        common.update(num_hidden_layers=3, num_key_value_heads=1)
+        common.update(num_hidden_layers=3, num_attention_heads=4)
         return transformers.LlamaConfig(
             **common,
-            head_dim=32,
+            head_dim=96,
             tie_word_embeddings=True,
             rope_theta=500000.0,
             rope_scaling=llama3,
@@ -75,8 +76,8 @@ def _hf_config(family: str):
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Every tensor random, norms away from 1 and biases away from 0, so that any tensor put
     in the wrong place (q for k, gate for up, one norm for the other) changes the logits.
-    Matrices get std 0.2: at the usual 0.02 the residual stream is the token's embedding
-    and greedy decoding repeats one token, which would prove little.
+    Matrices get std 1.6 / sqrt(fan_in): at the usual 0.02 the residual stream is the
+    token's embedding and greedy decoding repeats one token, which would prove little.
     """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -85,9 +86,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             if "norm" in name:
                 p.copy_(1 + 0.2 * noise)
             elif name.endswith("bias"):
-                p.copy_(0.2 * noise)
+                p.copy_(1.6 / p.shape[-1] ** 0.5 * noise)
             else:
-                p.copy_(0.2 * noise)
+                p.copy_(1.6 / p.shape[-1] ** 0.5 * noise)
 
 
 class _Zoo:
@@ -317,17 +318,19 @@ def test_missing_and_unexpected_tensors_are_named(zoo, tmp_path):
         load(folder)
     assert e.value.missing == ["model.layers.1.self_attn.k_proj.bias"]
     assert e.value.unexpected == ["model.layers.0.mlp.extra.weight"]
-    assert "model.layers.1.self_attn.k_proj.bias (expected shape [32])" in str(e.value)
+    assert "model.layers.1.self_attn.k_proj.bias (expected shape [64])" in str(e.value)
     assert "model.layers.0.mlp.extra.weight (shape [3])" in str(e.value)
 
 
 def test_shape_mismatch_says_expected_and_got(zoo, tmp_path):
     folder = _copy_folder(zoo, "llama", tmp_path)
-    _edit_config(folder, intermediate_size=80)
+    _edit_config(folder, intermediate_size=160)
     with pytest.raises(WeightMismatchError) as e:
         load(folder)
     assert len(e.value.mismatched) == 2 * 3  # gate, up and down of both layers
-    assert "model.layers.0.mlp.down_proj.weight: expected [64, 80], got [64, 96]" in str(e.value)
+    assert "model.layers.0.mlp.down_proj.weight: expected [128, 160], got [128, 192]" in str(
+        e.value
+    )
     assert isinstance(e.value, ga.GraphAttnError) and isinstance(e.value, ValueError)
 
 
