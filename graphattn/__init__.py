@@ -4,6 +4,7 @@ engine = ga.compile(model, cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=128
 out = engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [7])]))
 """
 
+from graphattn import models
 from graphattn.api import compile
 from graphattn.attention import (
     Attention,
@@ -61,5 +62,6 @@ __all__ = [
     "Request",
     "UnsupportedModeError",
     "compile",
+    "models",
     "register_backend",
 ]

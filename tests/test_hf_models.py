@@ -235,9 +235,7 @@ def test_rotary_caches_equal_the_constructors(zoo):
     """The caches are not in the checkpoint; load computes them as the constructor does."""
     model = load(zoo.folder("llama3_rope"))
     fresh = LlamaForCausalLM(model.config)
-    for ours, theirs in zip(model.layers, fresh.layers):
-        cache = ours.self_attn.rotary_emb.cos_sin_cache
-        assert torch.equal(cache, theirs.self_attn.rotary_emb.cos_sin_cache)
+    assert torch.equal(model.rotary_emb.cos_sin_cache, fresh.rotary_emb.cos_sin_cache)
 
 
 def test_dtype_defaults_to_the_checkpoints_and_can_be_chosen(zoo, tmp_path):
@@ -245,7 +243,7 @@ def test_dtype_defaults_to_the_checkpoints_and_can_be_chosen(zoo, tmp_path):
     assert load(zoo.folder("llama")).lm_head.weight.dtype == torch.float32
     bf16 = load(zoo.folder("llama"), dtype="bfloat16")
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
-    assert bf16.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.bfloat16
+    assert bf16.rotary_emb.cos_sin_cache.dtype == torch.bfloat16
     expected = load(hf).to(torch.bfloat16).state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in bf16.state_dict().items())
     copy.deepcopy(hf).to(torch.float16).save_pretrained(tmp_path)

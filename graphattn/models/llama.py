@@ -110,16 +110,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.head_size = head_size
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        t = positions.shape[0]
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
-        return _rotate(q, cos, sin, t, self.head_size), _rotate(k, cos, sin, t, self.head_size)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of every token's position, ``[T, D/2]`` each; looked up once per step."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, t: int, d: int) -> torch.Tensor:
-    xh = x.view(t, -1, d).float()  # [T, H, D]
-    x1, x2 = xh.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], d: int) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H*D]`` (rotate-half layout) by the step's (cos, sin)."""
+    t = x.shape[0]
+    cos, sin = rope[0][:, None, :].float(), rope[1][:, None, :].float()  # [T, 1, D/2]
+    x1, x2 = x.view(t, -1, d).float().chunk(2, dim=-1)  # [T, H, D/2] each
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype).view(t, -1)
 
@@ -151,16 +152,15 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(
-            d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.head_size = d
         self.attn = Attention(
             hq, d, d**-0.5, hk, prefix=f"{prefix}.attn", sliding_window=cfg.sliding_window
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)  # [T, Hq*D], [T, Hkv*D]
+        q = apply_rotary(q, rope, self.head_size)  # [T, Hq*D]
+        k = apply_rotary(k, rope, self.head_size)  # [T, Hkv*D]
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -183,8 +183,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -196,6 +196,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.vocab_size = cfg.vocab_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # one table for all layers: [max_positions, head_size] float32
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
@@ -206,8 +210,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
+        rope = self.rotary_emb(positions)
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(rope, x)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
