@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the checkout, then run the named parts, each logging
+# under $OUT. Parts: tests (pytest -m gpu), attention (benchmarks/attention.py),
+# decode (benchmarks/decode.py). Extra pytest/benchmark arguments come from
+# GA_PYTEST_ARGS and GA_DECODE_ARGS.
+#   scripts/device_run.sh tests attention decode
+set -uo pipefail
+OUT=${OUT:-/tmp/graphattn-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GRAPHATTN_CACHE_DIR=${GRAPHATTN_CACHE_DIR:-/tmp/graphattn-cache}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv \
+  >"$OUT/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  >>"$OUT/gpu.txt" 2>&1
+status=0
+for part in "$@"; do
+  start=$(date +%s)
+  case "$part" in
+    tests) python3 -m pytest -m gpu -q -p no:cacheprovider ${GA_PYTEST_ARGS:-} 2>&1 \
+             | tee "$OUT/gpu-tests.log" | tail -40; rc=${PIPESTATUS[0]} ;;
+    attention) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 \
+             | tee "$OUT/attention.log" | tail -40; rc=${PIPESTATUS[0]} ;;
+    decode) python3 benchmarks/decode.py --out "$OUT/decode.json" --plot "$OUT/decode.png" \
+             ${GA_DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -60; rc=${PIPESTATUS[0]} ;;
+    *) echo "unknown part $part"; rc=2 ;;
+  esac
+  echo "== $part: exit $rc in $(( $(date +%s) - start )) s"
+  [ "$rc" = 0 ] || status=$rc
+done
+cat "$OUT/gpu.txt"
+exit $status
