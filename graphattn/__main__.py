@@ -1,11 +1,13 @@
-"""Command line: ``python -m graphattn demo`` (and ``bench``, see benchmarks/)."""
+"""Command line: ``python -m graphattn demo`` and ``python -m graphattn bench`` (benchmarks/decode.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import runpy
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,7 +55,33 @@ def demo(args: argparse.Namespace) -> None:
     print(f"steps by runtime mode: {dict(engine.stats.runtime_modes)}")
 
 
+def bench(args: list[str]) -> int:
+    """Run benchmarks/decode.py of the source checkout this package was imported from."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "decode.py"
+    if not script.is_file():
+        print(
+            f"graphattn bench runs benchmarks/decode.py from a source checkout, but {script} "
+            "does not exist (graphattn was installed without its repository). Clone the "
+            "repository, install it with `pip install -e .` and run "
+            "`python -m graphattn bench` (or `python benchmarks/decode.py`) there.",
+            file=sys.stderr,
+        )
+        return 2
+    saved = sys.argv
+    sys.argv = [str(script), *args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every later argument belongs to benchmarks/decode.py
+        return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="graphattn")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="generate with a tiny random-weight Llama")
@@ -62,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is present")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=demo)
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="the decode benchmark (benchmarks/decode.py of a source checkout; "
+        "`python -m graphattn bench --help` lists its options)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -1,0 +1,70 @@
+"""The decode benchmark's plumbing (benchmarks/decode.py) on the CPU: every part writes its
+JSON entry, a configuration that cannot run is recorded and the run goes on, the table comes
+last, and ``python -m graphattn bench`` reaches the script. Timings here mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from graphattn.__main__ import main as graphattn_main
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+from benchmarks import decode  # noqa: E402
+
+QUICK = ["--smoke", "--warmup", "1", "--steps", "2", "--trace-steps", "6", "--host-iters", "3"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One quick smoke run of every part: graphattn eager and the eager baseline only."""
+    out = tmp_path_factory.mktemp("bench") / "decode.json"
+    args = [*QUICK, "--modes", "eager", "--baselines", "eager", "--out", str(out)]
+    assert decode.main([*args, "--plot", str(out.with_suffix(".png"))]) == 0
+    return out, json.loads(out.read_text())
+
+
+def test_every_part_writes_its_entry(smoke_run):
+    out, data = smoke_run
+    rows = {r["label"]: r for r in data["latency"]["rows"]}
+    assert set(rows) == {"graphattn eager", "baseline eager"}
+    for row in rows.values():
+        assert row["status"] == "ok"
+        assert all(v is not None and v > 0 for v in row["ms"].values())
+    assert rows["graphattn eager"]["resolved_mode"] == "NONE"
+    trace = data["trace"]["graphattn"]
+    assert trace["steps_done"] == 6 and trace["stats"]["captures_after_startup"] == 0
+    assert "baseline" not in data["trace"]  # its baseline is reduce-overhead, not selected
+    assert data["mixed"]["rows"][0]["tokens_per_s"] > 0
+    assert set(data["host"]["graphattn"]["by_requests"]) == {"1", "4", "8"}
+    startup = data["startup"]["graphattn"]
+    assert startup["cold"]["status"] == "ok" and startup["warm"]["status"] == "ok"
+    assert data["floor"]["result"]["copy_bytes_per_s"] > 0
+    assert data["meta"]["smoke"] and data["errors"] == []
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_an_unavailable_configuration_is_recorded_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "decode.json"
+    args = [*QUICK, "--parts", "latency", "--modes", "eager", "--baselines", "eager"]
+    assert decode.main([*args, "--attention-backend", "NO_SUCH_BACKEND", "--out", str(out)]) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())["latency"]["rows"]}
+    assert rows["graphattn eager"]["status"].startswith("unavailable: BackendSelectionError")
+    assert rows["baseline eager"]["status"] == "ok"
+
+
+def test_bench_subcommand_prints_the_table_last(smoke_run, capsys):
+    out, _ = smoke_run
+    png = out.parent / "again.png"
+    assert graphattn_main(["bench", "--plot-only", str(out), "--plot", str(png)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == decode.SMOKE_NOTE
+    assert any(line.startswith("decode step latency") for line in lines)
+    assert png.stat().st_size > 0
