@@ -1283,13 +1283,21 @@ def latency_ms(data: dict, label: str, batch: int) -> float | None:
 
 
 def check_targets(data: dict) -> list[dict]:
-    """The issue's targets, each met / missed / n/a with the measured value."""
+    """The issue's targets, each met / missed / n/a with the measured value (a smoke run's
+    verdicts say so; a FULL row whose mode was lowered says to what).
+    """
     full = "graphattn FULL"
     ro = BASELINE_LABELS["reduce-overhead"]
+    resolved = (data.get("engines", {}).get(full) or {}).get("resolved_mode")
+    lowered = f" (FULL resolved to {resolved})" if resolved not in (None, "FULL") else ""
+    smoke = " (smoke)" if data["meta"].get("smoke") else ""
     targets = []
 
     def add(name: str, value, limit, ok: bool | None):
         verdict = "n/a" if ok is None else ("met" if ok else "missed")
+        if name.startswith("FULL"):
+            name += lowered
+        verdict += smoke
         targets.append({"target": name, "value": value, "limit": limit, "verdict": verdict})
 
     f1, r1 = latency_ms(data, full, 1), latency_ms(data, ro, 1)
