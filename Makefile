@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(PY) -m pip install -q -e ".[test,hf,bench]"
 	touch $@
 
 demo: $(VENV)/.installed

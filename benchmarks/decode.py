@@ -348,27 +348,8 @@ def build_model(s: Settings) -> LlamaForCausalLM:
     torch.manual_seed(s.seed)
     with torch.device(s.device):
         model = LlamaForCausalLM(model_config(s.smoke))
-    randomize_weights(model, s.seed)
+    init_random_weights(model, seed=s.seed)
     return model.to(dtype=s.dtype).eval()
-
-
-def randomize_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """``init_random_weights``' recipe (norms 1, biases 0, the rest N(0, std)), drawn on the
-    model's device: its CPU generator takes ~10 s for 1.5 B parameters, in every process.
-    """
-    device = next(model.parameters()).device
-    if device.type == "cpu":
-        init_random_weights(model, seed=seed, std=std)
-        return
-    gen = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=gen)
 
 
 def random_tokens(rng: np.random.Generator, vocab: int, shape) -> np.ndarray:

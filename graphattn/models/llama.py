@@ -220,8 +220,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
-    """Deterministic random weights in the usual small-normal scale (norms stay 1, biases 0)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Deterministic random weights in the usual small-normal scale (norms 1, biases 0),
+    drawn on the parameters' device (a CPU generator takes seconds for a billion weights).
+    """
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -229,5 +231,7 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> n
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                if p.device not in generators:
+                    generators[p.device] = torch.Generator(p.device).manual_seed(seed)
+                p.normal_(0.0, std, generator=generators[p.device])
     return model
