@@ -127,11 +127,12 @@ def _reduce_kernel(
     row = (token.to(tl.int64) * num_heads + head) * num_splits + splits  # [S]
     lse = tl.load(part_lse_ptr + row, mask=splits < num_splits, other=float("-inf"))
     has_keys = lse > float("-inf")  # [S]
-    weight = tl.where(has_keys, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [S]
+    top = tl.max(lse, 0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # no key at all: every weight is 0
+    weight = tl.exp2(lse - top)  # [S], 1 for the largest split, 0 for empty ones
     mask = has_keys[:, None] & (dims < HEAD_SIZE)[None, :]  # never read an empty split
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
-    total = tl.sum(weight, 0)
-    inv = tl.where(total > 0.0, 1.0 / total, 0.0)  # a request without keys gets zeros
-    out = tl.sum(parts * weight[:, None], 0) * inv  # [D]
+    total = tl.maximum(tl.sum(weight, 0), 1.0)  # >= 1 when any split has keys; else out = 0
+    out = tl.sum(parts * weight[:, None], 0) / total  # [D]
     dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)

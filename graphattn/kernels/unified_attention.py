@@ -102,6 +102,9 @@ def unified_attention(
         SLIDING=sliding_window is not None,
         SOFT_CAP=soft_cap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # The Triton interpreter's tl.dot multiplies bf16 bit patterns (triton#11584): on the
+        # CPU multiply exactly upcast fp32 copies instead. Remove once the interpreter converts.
+        DOT_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
@@ -152,6 +155,7 @@ def _attention_kernel(
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     # Last tiles first: under causal masking they see the most keys, so the long programs
     # start in the first wave and the short ones fill the tail.
@@ -176,6 +180,8 @@ def _attention_kernel(
     q = tl.load(
         q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
     )  # [M, D]
+    if DOT_FP32:
+        q = q.to(tl.float32)  # the key and value tiles follow q's dtype in _attend
 
     # Keys the tile sees: [lo, hi), then this program's split of them.
     first_pos = context + first
