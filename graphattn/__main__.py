@@ -6,53 +6,22 @@ import argparse
 import logging
 import runpy
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 
 def demo(args: argparse.Namespace) -> None:
-    """A tiny random-weight Llama: compile it, generate a few prompts, print the report and speed."""
-    import graphattn as ga
-    from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+    """A tiny random-weight Llama compiled in each mode: report, fallbacks, speed."""
+    from graphattn.demo import run_demo
 
-    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = LlamaConfig.tiny(
-        num_hidden_layers=4,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    )
-    model = init_random_weights(LlamaForCausalLM(cfg)).to(device, dtype)
-    engine = ga.compile(
-        model,
-        cudagraph_mode=args.mode,
-        max_num_seqs=16,
-        max_num_tokens=512,
-        max_model_len=512,
-        num_blocks=256,
-    )
-    print(engine.report)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
-        for n in (5, 17, 33, 64, 9, 100)
-    ]
-    engine.generate(prompts[:1], 2)  # warm-up
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, args.new_tokens)
-    seconds = time.perf_counter() - start
-    for prompt, out in zip(prompts, outputs):
-        print(f"prompt of {len(prompt):3d} tokens -> {out[:8]}{' ...' if len(out) > 8 else ''}")
-    total = sum(len(o) for o in outputs)
-    print(
-        f"{total} tokens in {seconds:.2f} s: {total / seconds:.1f} tokens/s "
-        f"({len(prompts)} prompts, mode {engine.resolved_mode}, {device})"
-    )
-    print(f"steps by runtime mode: {dict(engine.stats.runtime_modes)}")
+    if args.modes:
+        modes = args.modes.split(",")
+    elif torch.cuda.is_available() and not args.cpu:
+        modes = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+    else:
+        modes = ["FULL_AND_PIECEWISE"]  # the default; without CUDA it falls back to NONE
+    run_demo(modes, args.new_tokens, args.cpu)
 
 
 def bench(args: list[str]) -> int:
@@ -85,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphattn")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="generate with a tiny random-weight Llama")
-    p.add_argument("--mode", default="NONE", help="cudagraph mode")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated cudagraph modes (default: all five on CUDA, "
+        "FULL_AND_PIECEWISE on the CPU)",
+    )
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is present")
     p.add_argument("-v", "--verbose", action="store_true")
