@@ -117,12 +117,13 @@ def choose_tiles(
     """
     if device_type != "cuda":  # the interpreter: small tiles, few loop trips
         return TileConfig(max(16, group_pad), 32, 4, 1)
-    d_pad = _next_power_of_2(head_size)
-    wide = dtype == torch.float32 or d_pad > 128  # twice the registers and shared memory per row
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units: small tiles avoid spills
+        return TileConfig(max(16, group_pad), 32, 8, 2)
+    wide = _next_power_of_2(head_size) > 128  # twice the registers and shared memory per row
     if decode_like:
         return TileConfig(max(16, group_pad), 32 if wide else 64, 4, 3)
     if wide:
-        return TileConfig(max(64, group_pad), 32 if dtype == torch.float32 else 64, 8, 2)
+        return TileConfig(max(64, group_pad), 64, 8, 2)
     return TileConfig(max(128, group_pad), 64, 8, 3)
 
 

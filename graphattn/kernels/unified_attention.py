@@ -18,6 +18,7 @@ axis); each program writes its normalised partial output and log-sum-exp to the 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -67,7 +68,14 @@ def unified_attention(
     else:
         partial_out = partial_lse = output  # unused by the kernel
     score_scale, cap_scale = _score_scales(scale, soft_cap)
-    t = plan.tiles
+    constants = kernel_constants(
+        plan,
+        block_size=key_cache.shape[1],
+        dtype=query.dtype,
+        device_type=query.device.type,
+        sliding=sliding_window is not None,
+        soft_cap=soft_cap is not None,
+    )
     _attention_kernel[plan.grid](
         query,
         key_cache,
@@ -90,6 +98,25 @@ def unified_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
+        **constants,
+    )
+    if plan.num_splits > 1:
+        split_kv.reduce_splits(scratch, output, query_start_loc, plan)
+    return output
+
+
+def kernel_constants(
+    plan: AttentionPlan,
+    *,
+    block_size: int,
+    dtype: torch.dtype,
+    device_type: str,
+    sliding: bool,
+    soft_cap: bool,
+) -> dict[str, Any]:
+    """The attention kernel's constexpr arguments and launch options for ``plan``."""
+    t = plan.tiles
+    return dict(
         HEAD_SIZE=plan.head_size,
         D_PAD=triton.next_power_of_2(plan.head_size),
         GROUP=plan.group,
@@ -97,20 +124,17 @@ def unified_attention(
         BLOCK_M=t.block_m,
         BLOCK_Q=plan.block_q,
         TILE_N=t.tile_n,
-        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_SIZE=block_size,
         SPLIT=plan.num_splits > 1,
-        SLIDING=sliding_window is not None,
-        SOFT_CAP=soft_cap is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=sliding,
+        SOFT_CAP=soft_cap,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         # The Triton interpreter's tl.dot multiplies bf16 bit patterns (triton#11584): on the
         # CPU multiply exactly upcast fp32 copies instead. Remove once the interpreter converts.
-        DOT_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+        DOT_FP32=device_type == "cpu" and dtype == torch.bfloat16,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
-    if plan.num_splits > 1:
-        split_kv.reduce_splits(scratch, output, query_start_loc, plan)
-    return output
 
 
 def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
