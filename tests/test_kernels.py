@@ -13,6 +13,13 @@ the output once; everything else accumulates in fp32.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -619,3 +626,117 @@ def test_gpu_kv_cache_write_matches_reference():
     write_kv_cache_ref(key, value, expected[0], expected[1], slots)
     write_kv_cache(key, value, cache[0], cache[1], slots)
     assert torch.equal(cache, expected)
+
+
+# -- CPU: the CUDA launches compile for Hopper --------------------------------------------
+
+# (dtype, head_size, query heads per KV head, tokens for 64 requests, splits, sliding, soft-cap)
+HOPPER_LAUNCHES = [
+    (torch.bfloat16, 128, 4, 64, 1, False, False),  # decode
+    (torch.bfloat16, 128, 4, 64, 4, False, False),  # decode, split-KV
+    (torch.bfloat16, 128, 4, 4096, 1, False, False),  # prefill
+    (torch.bfloat16, 80, 8, 4096, 1, True, True),  # prefill, sliding window and soft-cap
+    (torch.float16, 256, 2, 4096, 1, False, False),
+    (torch.float16, 64, 1, 64, 2, False, False),
+    (torch.float32, 128, 4, 4096, 1, False, False),
+]
+
+
+def compile_for_hopper() -> list[dict]:
+    """Compile the launches the backend picks on CUDA for sm_90, without a GPU: the shared
+    memory each needs and the bytes its registers spill (None without cuobjdump).
+
+    Runs in a process without TRITON_INTERPRET (kernels defined for compilation).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from graphattn.kernels import split_kv
+    from graphattn.kernels import unified_attention as ua
+
+    results = []
+    for dtype, head_size, group, tokens, splits, sliding, soft_cap in HOPPER_LAUNCHES:
+        plan = plan_attention(
+            tokens, 64, num_heads=8 * group, num_kv_heads=8, head_size=head_size, dtype=dtype,
+            device_type="cuda", num_splits=splits,
+        )  # fmt: skip
+        constants = ua.kernel_constants(
+            plan, block_size=16, dtype=dtype, device_type="cuda", sliding=sliding, soft_cap=soft_cap
+        )
+        options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
+        kernel = ua._attention_kernel
+        src = ASTSource(kernel, _signature(kernel, dtype), constants, _aligned(kernel))
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        name = f"{dtype} D{head_size} G{group} T{tokens} S{splits} sw={sliding} cap={soft_cap}"
+        results.append(dict(case=name, shared=compiled.metadata.shared, spill=_spill(compiled)))
+    reduce = ASTSource(
+        split_kv._reduce_kernel,
+        _signature(split_kv._reduce_kernel, torch.bfloat16),
+        dict(HEAD_SIZE=128, D_PAD=128, S_PAD=32),
+        _aligned(split_kv._reduce_kernel),
+    )
+    compiled = triton.compile(reduce, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    results.append(dict(case="reduce", shared=compiled.metadata.shared, spill=_spill(compiled)))
+    return results
+
+
+def _signature(kernel, dtype) -> dict[str, str]:
+    element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    ints = ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr")
+    sig = {}
+    for name in kernel.arg_names:
+        if name.isupper():
+            sig[name] = "constexpr"
+        elif name.startswith("part_"):
+            sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = "*i32" if name in ints else f"*{element}"
+        else:
+            sig[name] = "fp32" if name.endswith("_scale") else "i32"
+    return sig
+
+
+def _aligned(kernel) -> dict:
+    """Pointers and strides divisible by 16, as torch allocations and these layouts give."""
+    names = kernel.arg_names
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n.endswith("_ptr") or n.startswith("stride")
+    }
+
+
+def _spill(compiled) -> int | None:
+    """Local-memory bytes per thread (register spills), from cuobjdump's resource usage."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
+        )
+    match = re.search(r"STACK:(\d+)", usage.stdout)
+    return int(match.group(1)) if match else None
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton.backends.nvidia") is None,
+    reason="Triton's NVIDIA backend is not installed",
+)
+def test_cuda_launches_compile_for_hopper():
+    """CI has no GPU: compile what the GPU will run, for sm_90, and check it fits."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, test_kernels; print(json.dumps(test_kernels.compile_for_hopper()))"
+    tests_dir = os.path.dirname(__file__)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tests_dir, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert r["shared"] <= 227 * 1024, r  # an H100/H200 block's shared-memory limit
+        assert r["spill"] in (0, None), r
