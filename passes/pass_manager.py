@@ -1,0 +1,76 @@
+"""The post-grad pass manager: graphattn's graph rewrites, run by Inductor on every piece.
+
+Inductor calls ``config.post_grad_custom_post_pass`` on each piece's post-grad ATen graph
+(functional, with ``meta["val"]`` on every node). The manager runs the configured passes
+in order. Its ``uuid()`` combines the passes' uuids, and Inductor puts it in its own cache
+key, so changing a pass (its source) never reuses code compiled without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from graphattn._logging import logger
+from graphattn.errors import ConfigError
+
+
+class GraphPass(ABC):
+    """One rewrite of a post-grad graph.
+
+    ``__call__`` changes the graph in place and returns how many nodes it changed;
+    ``uuid()`` is stable across processes and changes when the pass's source does.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def __call__(self, graph: fx.Graph) -> int: ...
+
+    def uuid(self) -> str:
+        source = inspect.getsource(type(self))
+        return hashlib.sha256(f"{self.name}\n{source}".encode()).hexdigest()
+
+
+class PostGradPassManager(CustomGraphPass):
+    """Runs ``passes`` in order on each post-grad graph Inductor hands it."""
+
+    def __init__(self, passes: Sequence[GraphPass]) -> None:
+        self.passes = list(passes)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for graph_pass in self.passes:
+            changed = graph_pass(graph)
+            if changed:
+                logger.debug("pass %s changed %d node(s)", graph_pass.name, changed)
+        graph.lint()
+
+    def uuid(self) -> str:
+        joined = ",".join(p.uuid() for p in self.passes)
+        return hashlib.sha256(f"graphattn-post-grad:{joined}".encode()).hexdigest()
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+
+def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
+    """A manager running the passes named ``names`` in order; an unknown name is a ConfigError."""
+    from graphattn.passes.noop_elimination import NoOpEliminationPass
+
+    known: dict[str, type[GraphPass]] = {NoOpEliminationPass.name: NoOpEliminationPass}
+    if isinstance(names, str):
+        raise ConfigError(f"passes must be a list of pass names, got the string {names!r}")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"unknown post-grad pass(es) {unknown}; known: {sorted(known)}")
+    return PostGradPassManager([known[n]() for n in names])
+
+
+DEFAULT_PASSES = ("noop_elimination",)
