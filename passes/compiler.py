@@ -1,15 +1,32 @@
 """The entry point the engine calls: trace the model once, split it, compile the pieces.
 
-INTERFACE (filled in by the passes issue): the engine relies on exactly these names.
+``compile_model`` runs the phases in order: trace (backend.py) -> split (split.py) ->
+build every compiled piece (piecewise.py: Inductor through the compile cache, identical
+pieces once) -> one run through the compiled pieces -> a specialised build per
+``compile_sizes`` entry -> the piece wrapper. The engine relies on the names in this file.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from graphattn import envs
+from graphattn._logging import logger
+from graphattn.errors import ConfigError, InvalidInputError, RecompileError
+from graphattn.passes.backend import describe_inputs, trace_model
+from graphattn.passes.cache import CompileCache, cache_factors
+from graphattn.passes.debug import DebugDump
+from graphattn.passes.inductor import compile_count
+from graphattn.passes.pass_manager import DEFAULT_PASSES, PostGradPassManager, make_pass_manager
+from graphattn.passes.piecewise import CompiledPiece, PieceCompiler, PiecewiseRuntime
+from graphattn.passes.split import SplitGraph, resolve_splitting_ops, split_graph
+
+COMPILE_BACKENDS = ("inductor", "eager")
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,7 @@ class CompileOptions:
     debug_dump_path: str | None = None
     strict: bool = False  # a recompile after start-up raises RecompileError
     cache_factors: dict[str, Any] = field(default_factory=dict)  # engine config entering the key
+    passes: tuple[str, ...] = DEFAULT_PASSES  # post-grad passes Inductor runs on each piece
 
 
 @dataclass
@@ -53,16 +71,72 @@ class CompileInfo:
     cache_dir: str = ""
     cache_key: str = ""
     inductor_compiles: int = 0
+    num_distinct_graphs: int = 0  # compiled pieces with different graphs (each built once)
+    compile_sizes: list[int] = field(default_factory=list)  # sizes with specialised builds
+    trace_seconds: float = 0.0
+    backend: str = ""
+    passes: list[str] = field(default_factory=list)
+    debug_dump_dir: str = ""
 
 
 class CompiledForward:
-    """``forward(input_ids, positions)`` of the model, traced once and compiled piecewise."""
+    """``forward(input_ids, positions)`` of the model, traced once and compiled piecewise.
 
-    info: CompileInfo
-    num_recompiles: int
+    Each call checks the step's inputs against what the trace assumed (1-D, its dtypes and
+    device, one length) and runs the split graph. Inputs the trace does not cover need a
+    new trace: a ``RecompileError`` when strict, else a new trace counted in
+    ``num_recompiles`` and kept for later calls like it.
+    """
+
+    def __init__(
+        self,
+        runtime: PiecewiseRuntime,
+        info: CompileInfo,
+        retrace: Callable[[torch.Tensor, torch.Tensor], tuple[PiecewiseRuntime, torch.Tensor]],
+        strict: bool,
+    ) -> None:
+        self.info = info
+        self.num_recompiles = 0
+        self.runtime = runtime
+        self._accepts = runtime.signature.accepts
+        self._retrace = retrace
+        self._strict = strict
+        self._others: list[PiecewiseRuntime] = []
+
+    @property
+    def pieces(self) -> list[CompiledPiece]:
+        """The compiled pieces in order (each has its dynamic and specialised builds)."""
+        return self.runtime.pieces
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        try:
+            accepted = self._accepts(input_ids, positions)
+        except AttributeError:  # not tensors: _other_inputs says so
+            accepted = False
+        if accepted:
+            return self.runtime(input_ids, positions)
+        return self._other_inputs(input_ids, positions)
+
+    def _other_inputs(self, input_ids: Any, positions: Any) -> torch.Tensor:
+        expected = self.runtime.signature.describe()
+        if not isinstance(input_ids, torch.Tensor) or not isinstance(positions, torch.Tensor):
+            raise InvalidInputError(
+                f"expected {expected}, got {describe_inputs(input_ids, positions)}"
+            )
+        for runtime in self._others:
+            if runtime.signature.accepts(input_ids, positions):
+                return runtime(input_ids, positions)
+        got = describe_inputs(input_ids, positions)
+        if self._strict:
+            raise RecompileError(
+                f"the model was compiled for {expected}; this call passed {got}, which needs a "
+                "new trace after start-up (strict mode)"
+            )
+        self.num_recompiles += 1
+        logger.warning("graphattn: tracing the model again for %s (traced for %s)", got, expected)
+        runtime, output = self._retrace(input_ids, positions)
+        self._others.append(runtime)
+        return output
 
 
 def compile_model(
@@ -76,4 +150,178 @@ def compile_model(
     splitting ops and compile each other piece. Must be called under a forward context
     (the engine runs it as its profile run).
     """
-    raise NotImplementedError("the passes issue implements this")
+    start, compiles_before = time.perf_counter(), compile_count()
+    ops, passes = _check_options(options)
+    dump = DebugDump(options.debug_dump_path) if options.debug_dump_path else None
+    input_ids, positions = _trace_inputs(example_inputs)
+    trace = trace_model(model, input_ids, positions, dump.bytecode_hook if dump else None)
+    logger.info("graphattn compile: traced %s in %.2f s", type(model).__name__, trace.seconds)
+    split = _split(trace.graph_module, ops, dump)
+    cache = _open_cache(options, model, trace.graph_module, passes)
+    compiler = PieceCompiler(options.compile_backend, passes, cache, dump)
+    runtime = PiecewiseRuntime(trace, split, compiler)
+    runtime(input_ids, positions)  # once through the compiled pieces, at start-up
+    sizes = _specialise(runtime, compiler, options, input_ids, positions)
+    _wrap_pieces(runtime, piece_wrapper)
+    info = _info(options, split, compiler, cache, passes, dump, trace.seconds, sizes)
+    info.seconds = time.perf_counter() - start
+    info.inductor_compiles = compile_count() - compiles_before
+    _log_compiled(info)
+
+    def retrace(ids: torch.Tensor, pos: torch.Tensor) -> tuple[PiecewiseRuntime, torch.Tensor]:
+        again = trace_model(model, ids, pos)
+        rebuilt = PiecewiseRuntime(again, split_graph(again.graph_module, ops), compiler)
+        _wrap_pieces(rebuilt, piece_wrapper)
+        return rebuilt, again.output
+
+    return CompiledForward(runtime, info, retrace, options.strict)
+
+
+# -- phases -------------------------------------------------------------------------------
+
+
+def _check_options(options: CompileOptions) -> tuple[frozenset[str], PostGradPassManager]:
+    if options.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError(
+            f"compile_backend must be one of {COMPILE_BACKENDS} for the piecewise compiler, "
+            f"got {options.compile_backend!r}"
+        )
+    return resolve_splitting_ops(options.splitting_ops), make_pass_manager(options.passes)
+
+
+def _trace_inputs(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The example ``(input_ids, positions)``, checked; at least 2 tokens long, because
+    Dynamo specialises a dynamic dimension of size 0 or 1.
+    """
+    ok = (
+        isinstance(example_inputs, (tuple, list))
+        and len(example_inputs) == 2
+        and all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in example_inputs)
+        and example_inputs[0].shape == example_inputs[1].shape
+    )
+    if not ok:
+        got = (
+            describe_inputs(*example_inputs)
+            if isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
+            else type(example_inputs).__name__
+        )
+        raise InvalidInputError(f"example_inputs must be (input_ids [T], positions [T]), got {got}")
+    input_ids, positions = example_inputs
+    if input_ids.shape[0] < 2:
+        input_ids, positions = input_ids.new_zeros(2), positions.new_zeros(2)
+    return input_ids, positions
+
+
+def _split(gm: torch.fx.GraphModule, ops: frozenset[str], dump: DebugDump | None) -> SplitGraph:
+    if dump is not None:
+        dump.write("graph_before_split.py", gm.print_readable(print_output=False))
+    split = split_graph(gm, ops)
+    if dump is not None:
+        dump.write("graph_after_split.py", _describe_split(split))
+    compiled = len(split.compiled_pieces)
+    logger.info(
+        "graphattn compile: split at %s into %d pieces (%d compiled, %d splitting)",
+        sorted(ops),
+        len(split.pieces),
+        compiled,
+        len(split.pieces) - compiled,
+    )
+    return split
+
+
+def _open_cache(
+    options: CompileOptions,
+    model: torch.nn.Module,
+    gm: torch.fx.GraphModule,
+    passes: PostGradPassManager,
+) -> CompileCache | None:
+    if options.compile_backend == "eager":  # nothing compiled, nothing to cache
+        return None
+    settings = {
+        "splitting_ops": sorted(resolve_splitting_ops(options.splitting_ops)),
+        "backend": options.compile_backend,
+        "passes": passes.names,
+    }
+    factors = cache_factors(options.cache_factors, model, gm, passes.uuid(), settings)
+    return CompileCache(options.cache_dir or envs.cache_root(), factors)
+
+
+def _specialise(
+    runtime: PiecewiseRuntime,
+    compiler: PieceCompiler,
+    options: CompileOptions,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+) -> list[int]:
+    """Specialised builds for each of ``compile_sizes`` the example inputs can cover."""
+    if options.compile_backend == "eager":
+        return []
+    sizes = sorted(set(options.compile_sizes))
+    too_big = [s for s in sizes if s > input_ids.shape[0]]
+    if too_big:
+        logger.warning(
+            "graphattn compile: compile_sizes %s exceed the %d tokens of the example inputs "
+            "(max_num_tokens); they get no specialised build",
+            too_big,
+            input_ids.shape[0],
+        )
+    done = [s for s in sizes if s <= input_ids.shape[0]]
+    for size in done:
+        runtime.specialise(compiler, input_ids[:size], positions[:size])
+    return done
+
+
+def _wrap_pieces(runtime: PiecewiseRuntime, wrapper: PieceWrapper | None) -> None:
+    if wrapper is None:
+        return
+    compiled = runtime.pieces
+    num_pieces = len(runtime.split.pieces)
+
+    def wrap(piece: CompiledPiece) -> Callable[..., Any]:
+        info = PieceInfo(piece.piece.index, num_pieces, piece is compiled[0], piece is compiled[-1])
+        return wrapper(piece, info)
+
+    runtime.install_wrapped(wrap)
+
+
+def _info(options, split, compiler, cache, passes, dump, trace_seconds, sizes) -> CompileInfo:
+    return CompileInfo(
+        num_pieces=len(split.pieces),
+        num_compiled_pieces=len(split.compiled_pieces),
+        warm=cache is not None and compiler.misses == 0 and compiler.hits > 0,
+        cache_hits=compiler.hits,
+        cache_misses=compiler.misses,
+        cache_dir=cache.dir if cache is not None else "",
+        cache_key=cache.key if cache is not None else "",
+        num_distinct_graphs=compiler.num_distinct_graphs,
+        compile_sizes=sizes,
+        trace_seconds=trace_seconds,
+        backend=options.compile_backend,
+        passes=passes.names if options.compile_backend == "inductor" else [],
+        debug_dump_dir=dump.dir if dump is not None else "",
+    )
+
+
+def _log_compiled(info: CompileInfo) -> None:
+    how = "warm (from the cache)" if info.warm else "cold"
+    logger.info(
+        "graphattn compile: %d pieces ready in %.2f s, %s: %d cache hits, %d misses, "
+        "%d Inductor runs, specialised sizes %s; cache %s",
+        info.num_compiled_pieces,
+        info.seconds,
+        how if info.backend == "inductor" else "eager pieces",
+        info.cache_hits,
+        info.cache_misses,
+        info.inductor_compiles,
+        info.compile_sizes,
+        info.cache_dir or "-",
+    )
+
+
+def _describe_split(split: SplitGraph) -> str:
+    lines = ["# pieces: index name kind"]
+    lines += [
+        f"#   {p.index:3d} {p.name} {'splitting' if p.is_splitting else 'compiled'}"
+        for p in split.pieces
+    ]
+    return "\n".join(lines) + "\n\n" + split.module.print_readable(print_output=False)

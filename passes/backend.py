@@ -1,0 +1,255 @@
+"""The Dynamo side: trace ``model(input_ids, positions)`` once into an FX graph, then call
+that graph without Dynamo.
+
+The trace is ``torch.compile(fullgraph=True)`` with a backend that keeps the graph, the
+token dimension of both inputs marked dynamic (``mark_dynamic``). Dynamo's guards are
+then dropped by never consulting them: an ``InputBinding`` builds the graph's flat
+argument list itself (parameters and buffers as traced, the step's two tensors, and the
+token count for every size input), so a step of any size reuses the one graph and no
+guard is evaluated per step. This relies only on the backend calling convention, which
+is the same on torch 2.11 and 2.13 (``guard_filter_fn`` would work too, but still costs
+a guard-set walk and Dynamo's frame hook on every call).
+
+What the graph does assume is checked per call by ``InputSignature``: both inputs 1-D,
+of the traced dtype and device, and of the same length when the trace unified them.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from graphattn.errors import GraphAttnError
+
+# Dynamo keeps compiled code per code object; each trace gets a fresh copy of this
+# function's code, so tracing many models (or one model twice) never piles entries onto
+# one code object and never meets Dynamo's recompile limit.
+
+
+def _call_model(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
+    return model(input_ids, positions)
+
+
+@dataclass
+class Trace:
+    """One Dynamo trace: the graph, the real values Dynamo bound to its inputs, how to bind
+    a step's inputs, and the output of the traced run.
+    """
+
+    graph_module: fx.GraphModule
+    example_inputs: list[Any]
+    binding: InputBinding
+    signature: InputSignature
+    output: torch.Tensor
+    seconds: float
+
+
+def trace_model(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    bytecode_hook: Callable[[types.CodeType, types.CodeType], None] | None = None,
+) -> Trace:
+    """Trace ``model(input_ids, positions)`` once with the token dimension dynamic; the
+    traced graph runs eagerly once on the given inputs (its output is ``Trace.output``).
+    """
+    start = time.perf_counter()
+    captured: dict[str, Any] = {}
+
+    def keep_graph(gm: fx.GraphModule, example_inputs: list[Any]):
+        captured["gm"], captured["inputs"] = gm, list(example_inputs)
+
+        def run(*args: Any):
+            captured["graph_output"] = gm(*args)
+            return captured["graph_output"]
+
+        return run
+
+    for t in (input_ids, positions):
+        torch._dynamo.mark_dynamic(t, 0)
+    entry = types.FunctionType(_call_model.__code__.replace(), _call_model.__globals__)
+    traced = torch.compile(entry, backend=keep_graph, fullgraph=True, dynamic=False)
+    with _bytecode_hook(bytecode_hook):
+        output = traced(model, input_ids, positions)
+    gm, inputs = captured["gm"], captured["inputs"]
+    _check_single_tensor_output(output, captured["graph_output"])
+    binding = InputBinding(gm, inputs, input_ids, positions)
+    signature = InputSignature.of(gm, inputs, input_ids, positions)
+    return Trace(gm, inputs, binding, signature, output, time.perf_counter() - start)
+
+
+class InputBinding:
+    """Builds the traced graph's flat argument list from a step's ``(input_ids, positions)``.
+
+    Every graph input is one of: a step input (by position), the size of a step input's
+    dimension (a symbolic size input), or a value fixed at trace time (parameters,
+    buffers, constants), bound once.
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        inputs: list[Any],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        step_nodes = _step_input_nodes(placeholders, inputs, (input_ids, positions))
+        self.template = list(inputs)
+        self.tensor_slots: list[tuple[int, int]] = []  # (graph input, step input)
+        self.size_slots: list[tuple[int, int, int]] = []  # (graph input, step input, dim)
+        for i, node in enumerate(placeholders):
+            value = node.meta.get("example_value")
+            if node in step_nodes:
+                self.tensor_slots.append((i, step_nodes.index(node)))
+                self.template[i] = None  # never hold the example tensors
+            elif isinstance(value, torch.SymInt):
+                self.size_slots.append((i, *_size_source(node, value, step_nodes)))
+                self.template[i] = None
+            else:
+                _check_static(node, value)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+        steps = (input_ids, positions)
+        args = self.template.copy()
+        for i, source in self.tensor_slots:
+            args[i] = steps[source]
+        for i, source, dim in self.size_slots:
+            args[i] = steps[source].shape[dim]
+        return args
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """What the traced graph assumes of a step's inputs; ``accepts`` checks it per call."""
+
+    dtypes: tuple[torch.dtype, torch.dtype]
+    device: torch.device
+    same_length: bool  # the trace unified the two token dimensions
+
+    @classmethod
+    def of(cls, gm, inputs, input_ids, positions) -> InputSignature:
+        return cls(
+            (input_ids.dtype, positions.dtype),
+            input_ids.device,
+            _unified(gm, inputs, input_ids, positions),
+        )
+
+    def accepts(self, input_ids: torch.Tensor, positions: torch.Tensor) -> bool:
+        return (
+            input_ids.dim() == 1
+            and positions.dim() == 1
+            and input_ids.dtype == self.dtypes[0]
+            and positions.dtype == self.dtypes[1]
+            and input_ids.device == self.device
+            and positions.device == self.device
+            and (not self.same_length or input_ids.shape[0] == positions.shape[0])
+        )
+
+    def describe(self) -> str:
+        length = "of one length T" if self.same_length else ""
+        return (
+            f"input_ids {self.dtypes[0]} [T] and positions {self.dtypes[1]} [T] on "
+            f"{self.device} {length}".rstrip()
+        )
+
+
+def describe_inputs(input_ids: Any, positions: Any) -> str:
+    def one(name: str, t: Any) -> str:
+        if not isinstance(t, torch.Tensor):
+            return f"{name} {type(t).__name__}"
+        return f"{name} {t.dtype} {list(t.shape)} on {t.device}"
+
+    return f"{one('input_ids', input_ids)} and {one('positions', positions)}"
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _size_source(
+    node: fx.Node, value: torch.SymInt, step_nodes: list[fx.Node | None]
+) -> tuple[int, int]:
+    """(step input, dim) whose length a symbolic size input stands for."""
+    expr = value.node.expr
+    for k, tensor_node in enumerate(step_nodes):
+        if tensor_node is None:
+            continue
+        for dim, size in enumerate(tensor_node.meta["example_value"].shape):
+            if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                return k, dim
+    raise GraphAttnError(
+        f"the traced graph takes a size input {node.name} = {expr} that is not the length of "
+        "input_ids or positions; only the token dimension may be dynamic"
+    )
+
+
+def _check_static(node: fx.Node, value: Any) -> None:
+    """A graph input bound once must not have a dynamic size (it would go stale)."""
+    shape = getattr(value, "shape", ())
+    if any(isinstance(s, torch.SymInt) for s in shape):
+        raise GraphAttnError(
+            f"graph input {node.name} has the dynamic shape {list(shape)} but is neither "
+            "input_ids nor positions; only the two step inputs may change size"
+        )
+
+
+def _step_input_nodes(
+    placeholders: list[fx.Node], inputs: list[Any], steps: tuple[torch.Tensor, ...]
+) -> list[fx.Node | None]:
+    """The placeholders Dynamo bound to each step tensor (None where the graph ignores it)."""
+    found: list[fx.Node | None] = [None] * len(steps)
+    for node, value in zip(placeholders, inputs):
+        for k, step in enumerate(steps):
+            if value is step:
+                found[k] = node
+    return found
+
+
+def _unified(gm: fx.GraphModule, inputs, input_ids, positions) -> bool:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ids_node, pos_node = _step_input_nodes(placeholders, inputs, (input_ids, positions))
+    if ids_node is None or pos_node is None:
+        return False
+    a = ids_node.meta["example_value"].shape[0]
+    b = pos_node.meta["example_value"].shape[0]
+    return (
+        isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+    )
+
+
+def _check_single_tensor_output(output: Any, graph_output: Any) -> None:
+    ok = (
+        isinstance(output, torch.Tensor)
+        and isinstance(graph_output, (tuple, list))
+        and len(graph_output) == 1
+        and graph_output[0] is output
+    )
+    if not ok:
+        raise GraphAttnError(
+            "graphattn compiles models whose forward(input_ids, positions) returns one tensor "
+            f"computed by the graph; this one returned {type(output).__name__}"
+        )
+
+
+@contextmanager
+def _bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], None] | None) -> Iterator[None]:
+    if hook is None:
+        yield
+        return
+    from torch._dynamo.convert_frame import register_bytecode_hook
+
+    def observe(old: types.CodeType, new: types.CodeType) -> None:
+        hook(old, new)  # returning None keeps Dynamo's bytecode
+
+    handle = register_bytecode_hook(observe)
+    try:
+        yield
+    finally:
+        handle.remove()

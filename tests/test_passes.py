@@ -1,0 +1,451 @@
+"""The piecewise compiler (graphattn.passes) on a toy model: split, Inductor builds, compile
+sizes, recompiles, piece wrapper, compile cache (warm start in a fresh process, corrupt
+entries, changed factors) and debug dumps.
+
+The toy model has L layers around a toy attention op with a call counter (as vLLM's
+compilation tests do); the ops are this module's own, so the splitting ops are configured,
+which also tests that they are configurable. Inductor builds are shared by the tests
+through one module-scoped compile (CPU compiles are slow).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from graphattn.errors import ConfigError, InvalidInputError, RecompileError
+from graphattn.passes import inductor
+from graphattn.passes.backend import trace_model
+from graphattn.passes.compiler import CompileOptions, PieceInfo, compile_model
+from graphattn.passes.split import is_splitting_node, resolve_splitting_ops, split_graph
+
+# -- the toy model ------------------------------------------------------------------------
+
+_lib = torch.library.Library("graphattn_test", "FRAGMENT")
+_lib.define("toy_cache_update(Tensor k, int layer) -> Tensor")
+_lib.define("toy_attention(Tensor q, Tensor k, Tensor(a!) out, Tensor dep, int layer) -> ()")
+CALLS = {"update": 0, "attention": 0}
+
+
+def _toy_cache_update(k: torch.Tensor, layer: int) -> torch.Tensor:
+    CALLS["update"] += 1
+    return k.new_empty(0)
+
+
+def _toy_attention(q, k, out, dep, layer) -> None:
+    CALLS["attention"] += 1
+    out.copy_(q * torch.sigmoid(k) + layer)
+
+
+_lib.impl("toy_cache_update", _toy_cache_update, "CompositeExplicitAutograd")
+_lib.impl("toy_attention", _toy_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("graphattn_test::toy_cache_update")(lambda k, layer: k.new_empty(0))
+torch.library.register_fake("graphattn_test::toy_attention")(lambda q, k, out, dep, layer: None)
+
+TOY_OPS = ("graphattn_test::toy_cache_update", "graphattn_test::toy_attention")
+HIDDEN, VOCAB, LAYERS, MAX_TOKENS = 16, 50, 3, 64
+SIZES = (4,)
+
+
+class ToyModel(nn.Module):
+    """L layers of: linear -> toy cache update + toy attention -> residual.
+
+    Each layer also computes a size (``2 * T``) before its attention op and uses it after,
+    so a SymInt would cross a piece boundary if the split did not localise it.
+    """
+
+    def __init__(self, num_layers: int = LAYERS, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen), requires_grad=False)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen) / 4, requires_grad=False)
+            for _ in range(num_layers)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed[input_ids] + positions[:, None] * 0.01  # [T, H]
+        for i, w in enumerate(self.weights):
+            doubled = x.shape[0] * 2  # a size computed before the split point...
+            h = x @ w
+            q, k = h * 2, h + 1
+            out = torch.empty_like(q)
+            dep = torch.ops.graphattn_test.toy_cache_update(k, i)
+            torch.ops.graphattn_test.toy_attention(q, k, out, dep, i)
+            x = x + out.reshape(doubled // 2, HIDDEN)  # ...and used after it
+        return x.relu()
+
+
+def _inputs(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=gen), torch.arange(n)
+
+
+def _options(cache_dir, **changes) -> CompileOptions:
+    base = dict(
+        splitting_ops=TOY_OPS,
+        compile_backend="inductor",
+        compile_sizes=SIZES,
+        cache_dir=str(cache_dir),
+        cache_factors={"test": "toy"},
+    )
+    return CompileOptions(**{**base, **changes})
+
+
+def _compile(model, options, n=MAX_TOKENS, **kwargs):
+    with torch.inference_mode():
+        return compile_model(model, options, _inputs(n), **kwargs)
+
+
+def _eager(model, n, seed=0):
+    with torch.inference_mode():
+        return model(*_inputs(n, seed))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("toy-cache")
+
+
+@pytest.fixture(scope="module")
+def toy(cache_dir):
+    """(model, compiled forward, Inductor compiles it took): one cold Inductor compile."""
+    model = ToyModel()
+    before = inductor.compile_count()
+    compiled = _compile(model, _options(cache_dir))
+    return model, compiled, inductor.compile_count() - before
+
+
+# -- split --------------------------------------------------------------------------------
+
+
+def _traced_split(num_layers: int):
+    model = ToyModel(num_layers)
+    with torch.inference_mode():
+        trace = trace_model(model, *_inputs(8))
+    return split_graph(trace.graph_module, resolve_splitting_ops(TOY_OPS))
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_split_yields_two_pieces_per_layer_plus_one(num_layers):
+    # Each layer's two consecutive toy ops share one splitting piece (L of them); the code
+    # before the first, between each two, and after the last gives L + 1 compiled pieces:
+    # 2 * L + 1 pieces, alternating compiled / splitting.
+    split = _traced_split(num_layers)
+    assert len(split.pieces) == 2 * num_layers + 1
+    assert [p.is_splitting for p in split.pieces] == [i % 2 == 1 for i in range(2 * num_layers + 1)]
+
+
+def test_splitting_ops_appear_only_in_their_own_pieces_in_order():
+    split = _traced_split(3)
+    ops = resolve_splitting_ops(TOY_OPS)
+    layers = []
+    for piece in split.pieces:
+        calls = [n for n in piece.module.graph.nodes if n.op == "call_function"]
+        if piece.is_splitting:
+            assert calls and all(is_splitting_node(n, ops) for n in calls)
+            layers += [n.args[-1] for n in calls]
+        else:
+            assert not any(is_splitting_node(n, ops) for n in calls)
+    # update then attention, layer by layer: the original node order
+    assert layers == [0, 0, 1, 1, 2, 2]
+
+
+def test_sizes_never_cross_a_piece_boundary():
+    """No piece returns a SymInt; the size computed before each split point is recomputed
+    after it from the token count.
+    """
+    split = _traced_split(2)
+    for piece in split.pieces:
+        out = piece.module.graph.output_node().args[0]
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        for node in outs:
+            assert not isinstance(node.meta.get("example_value"), torch.SymInt), piece.name
+
+
+def test_split_graph_runs_like_the_model_eagerly():
+    model = ToyModel(2)
+    ids, pos = _inputs(7)
+    with torch.inference_mode():
+        trace = trace_model(model, ids, pos)
+        split = split_graph(trace.graph_module, resolve_splitting_ops(TOY_OPS))
+        for n in (1, 5, 33):
+            ids, pos = _inputs(n, seed=n)
+            got = split.module(*trace.binding(ids, pos))[0]
+            torch.testing.assert_close(got, model(ids, pos))
+
+
+@pytest.mark.parametrize(
+    "ops, message",
+    [
+        (("graphattn_test::no_such_op",), "is not a registered torch op"),
+        (("nonamespace",), "'namespace::op'"),
+        (("graphattn_test::toy_attention.nope",), "has no overload 'nope'"),
+        ("graphattn_test::toy_attention", "a list of op names"),
+    ],
+)
+def test_unknown_splitting_op_is_a_config_error(ops, message):
+    with pytest.raises(ConfigError, match=message):
+        _compile(ToyModel(1), _options("unused", splitting_ops=ops, compile_backend="eager"))
+
+
+def test_unknown_backend_and_pass_are_config_errors():
+    with pytest.raises(ConfigError, match="compile_backend"):
+        _compile(ToyModel(1), _options("unused", compile_backend="tvm"))
+    with pytest.raises(ConfigError, match="unknown post-grad pass"):
+        _compile(ToyModel(1), _options("unused", passes=("fuse_everything",)))
+
+
+# -- compiled output ----------------------------------------------------------------------
+
+
+@given(n=st.integers(1, MAX_TOKENS), seed=st.integers(0, 100))
+def test_compiled_output_equals_eager_for_any_token_count(toy, n, seed):
+    model, compiled, _ = toy
+    with torch.inference_mode():
+        got = compiled(*_inputs(n, seed))
+    torch.testing.assert_close(got, _eager(model, n, seed), rtol=1e-5, atol=1e-5)
+    assert compiled.num_recompiles == 0
+
+
+def test_token_counts_beyond_the_example_reuse_the_trace(toy):
+    model, compiled, _ = toy
+    with torch.inference_mode():
+        got = compiled(*_inputs(3 * MAX_TOKENS))
+    torch.testing.assert_close(got, _eager(model, 3 * MAX_TOKENS), rtol=1e-5, atol=1e-5)
+    assert compiled.num_recompiles == 0
+
+
+def test_identical_middle_pieces_are_compiled_once(toy):
+    _, compiled, compiles = toy
+    info = compiled.info
+    # 3 layers: first piece (embedding + layer 0), two identical middle pieces, last piece
+    assert (info.num_pieces, info.num_compiled_pieces, info.num_distinct_graphs) == (7, 4, 3)
+    # one dynamic build per distinct graph, plus one per compile size
+    assert compiles == info.inductor_compiles == 3 * (1 + len(SIZES))
+    middle = compiled.pieces[1:3]
+    assert middle[0].dynamic is middle[1].dynamic
+    assert (info.cache_misses, info.cache_hits, info.warm) == (3 * (1 + len(SIZES)), 0, False)
+
+
+def test_compile_sizes_are_used_on_an_exact_match_only(toy):
+    model, compiled, _ = toy
+    used = {"specialised": 0, "dynamic": 0}
+
+    def counting(kind, fn):
+        def run(*args):
+            used[kind] += 1
+            return fn(*args)
+
+        return run
+
+    saved = [(p.dynamic, dict(p.specialised)) for p in compiled.pieces]
+    for piece in compiled.pieces:
+        assert sorted(piece.specialised) == list(SIZES)
+        piece.specialised = {n: counting("specialised", f) for n, f in piece.specialised.items()}
+        piece.dynamic = counting("dynamic", piece.dynamic)
+    try:
+        with torch.inference_mode():
+            out4 = compiled(*_inputs(4))
+            assert used == {"specialised": 4, "dynamic": 0}  # every compiled piece, once
+            compiled(*_inputs(5))
+            assert used == {"specialised": 4, "dynamic": 4}
+    finally:
+        for piece, (dynamic, specialised) in zip(compiled.pieces, saved):
+            piece.dynamic, piece.specialised = dynamic, specialised
+    torch.testing.assert_close(out4, _eager(model, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_splitting_ops_run_between_the_compiled_pieces(toy):
+    _, compiled, _ = toy
+    before = dict(CALLS)
+    with torch.inference_mode():
+        compiled(*_inputs(9))
+    assert CALLS["update"] - before["update"] == LAYERS
+    assert CALLS["attention"] - before["attention"] == LAYERS
+
+
+# -- recompiles, wrapper, eager backend ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eager_toy():
+    model = ToyModel(2)
+    return model, _compile(model, _options("unused", compile_backend="eager", strict=True))
+
+
+def test_eager_backend_splits_without_inductor(eager_toy):
+    model, compiled = eager_toy
+    assert compiled.info.inductor_compiles == 0 and compiled.info.num_pieces == 5
+    assert compiled.info.cache_dir == "" and compiled.info.compile_sizes == []
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(*_inputs(11)), _eager(model, 11))
+
+
+def test_new_input_signature_is_a_recompile_error_when_strict(eager_toy):
+    _, compiled = eager_toy
+    ids, pos = _inputs(6)
+    with torch.inference_mode(), pytest.raises(RecompileError, match="int32"):
+        compiled(ids.int(), pos)
+    with torch.inference_mode(), pytest.raises(InvalidInputError, match="input_ids"):
+        compiled([1, 2], pos)
+    assert compiled.num_recompiles == 0
+
+
+def test_new_input_signature_is_counted_when_not_strict():
+    model = ToyModel(1)
+    compiled = _compile(model, _options("unused", compile_backend="eager"))
+    ids, pos = _inputs(6)
+    with torch.inference_mode():
+        for _ in range(3):
+            got = compiled(ids.int(), pos.int())
+        assert compiled.num_recompiles == 1  # traced again once, then reused
+        torch.testing.assert_close(got, model(ids, pos))
+        compiled(ids, pos)
+    assert compiled.num_recompiles == 1
+
+
+def test_piece_wrapper_wraps_each_compiled_piece():
+    seen: list[PieceInfo] = []
+    calls: dict[int, int] = {}
+
+    def wrapper(piece, info):
+        seen.append(info)
+
+        def run(*args):
+            calls[info.index] = calls.get(info.index, 0) + 1
+            return piece(*args)
+
+        return run
+
+    model = ToyModel(2)
+    compiled = _compile(model, _options("unused", compile_backend="eager"), piece_wrapper=wrapper)
+    assert [i.index for i in seen] == [0, 2, 4]  # the compiled pieces of 5
+    assert {i.num_pieces for i in seen} == {5}
+    assert [(i.is_first, i.is_last) for i in seen] == [(True, False), (False, False), (False, True)]
+    calls.clear()
+    with torch.inference_mode():
+        got = compiled(*_inputs(5))
+    assert calls == {0: 1, 2: 1, 4: 1}
+    torch.testing.assert_close(got, _eager(model, 5))
+
+
+# -- compile cache ------------------------------------------------------------------------
+
+_WARM_START = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from test_passes import ToyModel, _inputs, _options
+from graphattn.passes.compiler import compile_model
+model = ToyModel()
+with torch.inference_mode():
+    compiled = compile_model(model, _options({cache!r}), _inputs(64))
+    ids, pos = _inputs(13, seed=5)
+    err = (compiled(ids, pos) - model(ids, pos)).abs().max().item()
+info = compiled.info
+print(json.dumps(dict(hits=info.cache_hits, misses=info.cache_misses, warm=info.warm,
+                      inductor=info.inductor_compiles, key=info.cache_key, err=err)))
+"""
+
+
+def test_warm_start_in_a_fresh_process_loads_every_piece(toy, cache_dir):
+    _, compiled, _ = toy
+    script = _WARM_START.format(tests=os.path.dirname(__file__), cache=str(cache_dir))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    builds = compiled.info.cache_misses
+    assert result["key"] == compiled.info.cache_key
+    assert (result["hits"], result["misses"], result["inductor"]) == (builds, 0, 0)
+    assert result["warm"] and result["err"] < 1e-5
+
+
+def test_factors_are_written_next_to_the_entry(toy):
+    _, compiled, _ = toy
+    with open(os.path.join(compiled.info.cache_dir, "factors.json")) as f:
+        factors = json.load(f)
+    assert factors["engine"] == {"test": "toy"}
+    assert factors["torch"] == torch.__version__
+    assert any(name.startswith("test_passes.py:") for name in factors["model_sources"])
+    assert factors["compiler"]["passes"] == ["noop_elimination"]
+
+
+def test_corrupt_and_half_written_entries_are_compiled_again(toy, cache_dir, tmp_path, caplog):
+    model, compiled, _ = toy
+    copy_dir = tmp_path / "cache"
+    shutil.copytree(cache_dir, copy_dir)
+    pieces = os.path.join(copy_dir, compiled.info.cache_key, "pieces")
+    entries = sorted(f for f in os.listdir(pieces) if f.endswith(".bin"))
+    corrupt, truncated = entries[0], entries[1]
+    with open(os.path.join(pieces, corrupt), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 64)
+    with open(os.path.join(pieces, truncated), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    with caplog.at_level(logging.WARNING, logger="graphattn"):
+        again = _compile(model, _options(copy_dir))
+    assert (again.info.cache_misses, again.info.cache_hits) == (2, len(entries) - 2)
+    assert again.info.inductor_compiles == 2
+    assert sum("checksum does not match" in r.getMessage() for r in caplog.records) == 2
+    with torch.inference_mode():
+        torch.testing.assert_close(again(*_inputs(21)), _eager(model, 21), rtol=1e-5, atol=1e-5)
+    third = _compile(model, _options(copy_dir))  # the rewritten entries load cleanly
+    assert (third.info.cache_misses, third.info.inductor_compiles) == (0, 0)
+    assert not [f for f in os.listdir(pieces) if f.endswith(".part")]
+
+
+def test_a_changed_factor_misses(toy, cache_dir):
+    model, compiled, _ = toy
+    other = _compile(model, _options(cache_dir, cache_factors={"test": "changed"}))
+    assert other.info.cache_key != compiled.info.cache_key
+    assert other.info.cache_hits == 0
+    assert other.info.cache_misses == compiled.info.cache_misses
+
+
+# -- debug dump ---------------------------------------------------------------------------
+
+
+def test_debug_dump_has_graphs_decompiled_code_and_output_code(tmp_path):
+    pytest.importorskip("depyf")
+    model = ToyModel(1)
+    options = _options(tmp_path / "cache", compile_sizes=(), debug_dump_path=str(tmp_path / "dump"))
+    compiled = _compile(model, options)
+    folder = compiled.info.debug_dump_dir
+    assert os.path.dirname(folder) == str(tmp_path / "dump")
+    files = {
+        os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs
+    }
+    assert {"graph_before_split.py", "graph_after_split.py"} <= files
+    assert any(f.startswith("dynamo/transformed_") for f in files)
+    outputs = sorted(f for f in files if f.startswith("pieces/") and f.endswith("-dynamic.py"))
+    assert len(outputs) == 2  # the two compiled pieces of one layer
+    with open(os.path.join(folder, outputs[0])) as f:
+        assert "def call(" in f.read()  # Inductor's wrapper code
+
+
+def test_debug_dump_without_depyf_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "depyf", None)  # import depyf raises ImportError
+    options = _options("unused", compile_backend="eager", debug_dump_path=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="graphattn"):
+        compiled = _compile(ToyModel(1), options)
+    note = os.path.join(compiled.info.debug_dump_dir, "dynamo", "DEPYF_MISSING.txt")
+    with open(note) as f:
+        assert "depyf is not installed" in f.read()
+    assert any("depyf is not installed" in r.getMessage() for r in caplog.records)
+    assert os.path.exists(os.path.join(compiled.info.debug_dump_dir, "graph_after_split.py"))
+
+
+def test_example_inputs_are_checked():
+    only_ids = (torch.zeros(3, dtype=torch.long),)
+    with pytest.raises(InvalidInputError, match=r"input_ids \[T\], positions \[T\]"):
+        compile_model(ToyModel(1), _options("unused"), only_ids)
