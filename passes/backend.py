@@ -75,9 +75,16 @@ def trace_model(
     for t in (input_ids, positions):
         torch._dynamo.mark_dynamic(t, 0)
     entry = types.FunctionType(_call_model.__code__.replace(), _call_model.__globals__)
-    traced = torch.compile(entry, backend=keep_graph, fullgraph=True, dynamic=False)
+    # dynamic=None (not False): only the marked dimensions are dynamic either way, and
+    # mark_dynamic is honoured under every torch this supports; one trace, no recompiles
+    traced = torch.compile(entry, backend=keep_graph, fullgraph=True)
     with _bytecode_hook(bytecode_hook):
         output = traced(model, input_ids, positions)
+    if "gm" not in captured:
+        raise GraphAttnError(
+            "torch.compile ran the model without tracing it (is TORCH_COMPILE_DISABLE set, or "
+            "torch._dynamo disabled?); the piecewise compiler needs one Dynamo trace"
+        )
     gm, inputs = captured["gm"], captured["inputs"]
     _check_single_tensor_output(output, captured["graph_output"])
     binding = InputBinding(gm, inputs, input_ids, positions)

@@ -8,8 +8,9 @@ pieces once) -> one run through the compiled pieces -> a specialised build per
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,11 @@ import torch
 
 from graphattn import envs
 from graphattn._logging import logger
+from graphattn.attention.forward_context import (
+    get_forward_context,
+    is_forward_context_set,
+    set_forward_context,
+)
 from graphattn.errors import ConfigError, InvalidInputError, RecompileError
 from graphattn.passes.backend import describe_inputs, trace_model
 from graphattn.passes.cache import CompileCache, cache_factors
@@ -157,7 +163,7 @@ def compile_model(
     trace = trace_model(model, input_ids, positions, dump.bytecode_hook if dump else None)
     logger.info("graphattn compile: traced %s in %.2f s", type(model).__name__, trace.seconds)
     split = _split(trace.graph_module, ops, dump)
-    cache = _open_cache(options, model, trace.graph_module, passes)
+    cache = _open_cache(options, model, trace.graph_module, passes, input_ids.shape[0])
     compiler = PieceCompiler(options.compile_backend, passes, cache, dump)
     runtime = PiecewiseRuntime(trace, split, compiler)
     runtime(input_ids, positions)  # once through the compiled pieces, at start-up
@@ -167,17 +173,31 @@ def compile_model(
     info.seconds = time.perf_counter() - start
     info.inductor_compiles = compile_count() - compiles_before
     _log_compiled(info)
-
-    def retrace(ids: torch.Tensor, pos: torch.Tensor) -> tuple[PiecewiseRuntime, torch.Tensor]:
-        again = trace_model(model, ids, pos)
-        rebuilt = PiecewiseRuntime(again, split_graph(again.graph_module, ops), compiler)
-        _wrap_pieces(rebuilt, piece_wrapper)
-        return rebuilt, again.output
-
+    retrace = _retracer(model, ops, compiler, piece_wrapper)
     return CompiledForward(runtime, info, retrace, options.strict)
 
 
 # -- phases -------------------------------------------------------------------------------
+
+
+def _retracer(
+    model: torch.nn.Module,
+    ops: frozenset[str],
+    compiler: PieceCompiler,
+    piece_wrapper: PieceWrapper | None,
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[PiecewiseRuntime, torch.Tensor]]:
+    """What a recompile does: trace again for the new inputs (a profile run, like start-up),
+    build the pieces (from the same cache; no compile_sizes), then run the step for real.
+    """
+
+    def retrace(ids: torch.Tensor, pos: torch.Tensor) -> tuple[PiecewiseRuntime, torch.Tensor]:
+        with _profile_context():  # attention reads and writes nothing
+            again = trace_model(model, *_at_least_two_tokens(ids, pos))
+        rebuilt = PiecewiseRuntime(again, split_graph(again.graph_module, ops), compiler)
+        _wrap_pieces(rebuilt, piece_wrapper)
+        return rebuilt, rebuilt(ids, pos)
+
+    return retrace
 
 
 def _check_options(options: CompileOptions) -> tuple[frozenset[str], PostGradPassManager]:
@@ -206,10 +226,28 @@ def _trace_inputs(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             else type(example_inputs).__name__
         )
         raise InvalidInputError(f"example_inputs must be (input_ids [T], positions [T]), got {got}")
-    input_ids, positions = example_inputs
-    if input_ids.shape[0] < 2:
-        input_ids, positions = input_ids.new_zeros(2), positions.new_zeros(2)
+    return _at_least_two_tokens(*example_inputs)
+
+
+def _at_least_two_tokens(
+    input_ids: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trace inputs: these, or zeros of 2 tokens when shorter (Dynamo would bake in 0 or 1)."""
+    if min(input_ids.shape[0], positions.shape[0]) < 2:
+        return input_ids.new_zeros(2), positions.new_zeros(2)
     return input_ids, positions
+
+
+@contextlib.contextmanager
+def _profile_context() -> Iterator[None]:
+    """The running step's forward context without metadata (attention zeroes its output
+    and writes no cache), or nothing when no context is set.
+    """
+    if not is_forward_context_set():
+        yield
+        return
+    with set_forward_context(None, layers=get_forward_context().layers):
+        yield
 
 
 def _split(gm: torch.fx.GraphModule, ops: frozenset[str], dump: DebugDump | None) -> SplitGraph:
@@ -234,6 +272,7 @@ def _open_cache(
     model: torch.nn.Module,
     gm: torch.fx.GraphModule,
     passes: PostGradPassManager,
+    trace_tokens: int,
 ) -> CompileCache | None:
     if options.compile_backend == "eager":  # nothing compiled, nothing to cache
         return None
@@ -241,6 +280,8 @@ def _open_cache(
         "splitting_ops": sorted(resolve_splitting_ops(options.splitting_ops)),
         "backend": options.compile_backend,
         "passes": passes.names,
+        # Inductor tunes the dynamic build for the traced size (its size hint)
+        "trace_tokens": trace_tokens,
     }
     factors = cache_factors(options.cache_factors, model, gm, passes.uuid(), settings)
     return CompileCache(options.cache_dir or envs.cache_root(), factors)

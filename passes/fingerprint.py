@@ -51,7 +51,8 @@ def _input_meta(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> str
     if isinstance(value, torch.Tensor):
         shape = [_size(s, symbols) for s in value.shape]
         stride = [_size(s, symbols) for s in value.stride()]
-        return f"{value.dtype} {value.device.type} {shape} {stride} {value.requires_grad}"
+        # the device index too: Inductor's code for cuda:0 names device 0
+        return f"{value.dtype} {value.device} {shape} {stride} {value.requires_grad}"
     return _size(value, symbols)
 
 

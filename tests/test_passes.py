@@ -305,13 +305,13 @@ def test_new_input_signature_is_a_recompile_error_when_strict(eager_toy):
 def test_new_input_signature_is_counted_when_not_strict():
     model = ToyModel(1)
     compiled = _compile(model, _options("unused", compile_backend="eager"))
-    ids, pos = _inputs(6)
     with torch.inference_mode():
-        for _ in range(3):
-            got = compiled(ids.int(), pos.int())
-        assert compiled.num_recompiles == 1  # traced again once, then reused
-        torch.testing.assert_close(got, model(ids, pos))
-        compiled(ids, pos)
+        # traced again once (from a padded 2-token copy: a 1-token trace would bake in T=1)...
+        for n in (1, 6, 9):
+            ids, pos = _inputs(n)
+            torch.testing.assert_close(compiled(ids.int(), pos.int()), model(ids, pos))
+        assert compiled.num_recompiles == 1  # ...then reused for every length
+        compiled(*_inputs(6))
     assert compiled.num_recompiles == 1
 
 
