@@ -189,6 +189,7 @@ def triton_plan(case: Case, dtype, device, num_splits: int | None, tiles=None):
         dtype=dtype,
         device_type=device.type,
         num_splits=num_splits,
+        uniform_decode=case.kind == "decode",
         tiles=tiles,
     )
 

@@ -354,6 +354,8 @@ def test_plan_is_a_function_of_padded_sizes():
     decode, mixed = plan_attention(64, 64, **kw), plan_attention(512, 64, **kw)
     assert decode.tiles.block_m == 16 and mixed.tiles.block_m == 128
     assert decode.grid == (64 // 4 + 64, 8, 4)
+    # a padded uniform decode batch (more padding tokens than padding requests)
+    assert plan_attention(72, 64, uniform_decode=True, **kw).tiles.block_m == 16
 
 
 @given(
@@ -507,18 +509,25 @@ def test_gpu_realistic_bf16(kind, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(
-    ("head_size", "block_size"), [(64, 16), (80, 32), (96, 64), (128, 32), (256, 16)]
-)
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_gpu_head_sizes_and_dtypes(dtype, head_size, block_size, num_splits):
+@pytest.mark.parametrize(
+    ("dtype", "head_size", "block_size", "attn"),
+    [
+        (torch.bfloat16, 64, 16, {}),
+        (torch.float16, 80, 32, {"window": 100}),
+        (torch.bfloat16, 96, 64, {"soft_cap": 20.0}),
+        (torch.float32, 128, 32, {}),
+        (torch.bfloat16, 256, 16, {"window": 700, "soft_cap": 30.0}),
+        (torch.float16, 128, 64, {}),
+    ],
+)
+def test_gpu_head_sizes_and_dtypes(dtype, head_size, block_size, attn, num_splits):
+    """Every head size, dtype and block size compiles and is right, one variant each."""
     shapes = [(0, 300), (700, 1), (64, 64), (0, 1), (1999, 1)]
     case = _gpu_case(shapes, seed=2, num_heads=8, num_kv_heads=2, head_size=head_size,
                      block_size=block_size, dtype=dtype, pad_tokens=2, pad_reqs=2)  # fmt: skip
-    for attn in (dict(), dict(window=100), dict(soft_cap=20.0)):
-        out = run_kernel(case, case.plan(num_splits), scale=head_size**-0.5, **attn)
-        _check_against_paged_reference(case, out, scale=head_size**-0.5, **attn)
+    out = run_kernel(case, case.plan(num_splits), scale=head_size**-0.5, **attn)
+    _check_against_paged_reference(case, out, scale=head_size**-0.5, **attn)
 
 
 @pytest.mark.gpu

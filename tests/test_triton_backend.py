@@ -164,6 +164,7 @@ class Harness:
     def cam(self, shapes, num_tokens, num_reqs):
         """A CAM of ``shapes`` padded to ``num_tokens`` tokens and ``num_reqs`` requests."""
         t, r = sum(n for _, n in shapes), len(shapes)
+        assert t <= num_tokens and r <= num_reqs, "the padded sizes must hold the batch"
         starts = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum([n for _, n in shapes], out=starts[1 : r + 1])
         starts[r + 1 :] = np.minimum(t + np.arange(1, num_reqs - r + 1), num_tokens)
@@ -238,15 +239,16 @@ class _LaunchRecorder:
 @pytest.mark.parametrize("num_sms", [1, 16])
 def test_launch_is_fixed_for_a_padded_size(monkeypatch, num_sms):
     """Batches of different lengths padded to one size launch the same kernels, grids and
-    constants: a graph captured for the size serves them all."""
+    constants: a graph captured for the size serves them all. (Uniform decode batches are
+    a key of their own and may take other tiles; every launch is correct for every batch.)"""
     log: list = []
     for module, name in ((unified_attention, "_attention_kernel"), (split_kv, "_reduce_kernel")):
         monkeypatch.setattr(module, name, _LaunchRecorder(getattr(module, name), log))
     h = Harness(num_sms=num_sms)
     batches = [
-        [(9, 1), (0, 1), (15, 1)],  # decodes
         [(0, 10)],  # one prefill
         [(30, 4), (2, 1), (40, 2), (0, 3)],  # chunked and mixed
+        [(9, 1), (0, 6), (15, 1)],  # decodes and a prefill
     ]
     launches = []
     for shapes in batches:
@@ -258,6 +260,12 @@ def test_launch_is_fixed_for_a_padded_size(monkeypatch, num_sms):
         launches.append(list(log))
     assert launches[0] == launches[1] == launches[2]
     assert len(launches[0]) == (1 if num_sms == 1 else 2)  # split-KV adds the reduction
+    decodes = []
+    for shapes in ([(9, 1), (0, 1), (15, 1)], [(40, 1), (3, 1), (7, 1), (1, 1), (2, 1)]):
+        log.clear()
+        h.forward(h.cam(shapes, num_tokens=12, num_reqs=6), torch.randn(12, 8, 64))
+        decodes.append(list(log))
+    assert decodes[0] == decodes[1]
 
 
 def test_build_is_cheap_and_never_syncs(monkeypatch):

@@ -82,12 +82,15 @@ def plan_attention(
     dtype: torch.dtype,
     device_type: str,
     num_splits: int = 1,
+    uniform_decode: bool = False,
     tiles: TileConfig | None = None,
 ) -> AttentionPlan:
     """The launch for ``num_tokens`` tokens of ``num_reqs`` requests (both padded).
 
     ``num_splits`` > 1 asks for split-KV; it is capped so the partial results fit the
-    scratch (``SPLIT_SLOTS`` rows per token and KV head). ``tiles`` overrides the table.
+    scratch (``SPLIT_SLOTS`` rows per token and KV head). ``uniform_decode`` (every request
+    has one query token; a captured graph's key fixes it) picks decode tiles even where
+    padding tokens outnumber padding requests. ``tiles`` overrides the table.
     """
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
@@ -95,7 +98,7 @@ def plan_attention(
     if group > MAX_GROUP:
         raise ValueError(f"at most {MAX_GROUP} query heads per KV head, got {group}")
     group_pad = _next_power_of_2(group)
-    decode_like = num_tokens <= num_reqs
+    decode_like = uniform_decode or num_tokens <= num_reqs
     if tiles is None:
         tiles = choose_tiles(head_size, dtype, group_pad, decode_like, device_type)
     if tiles.block_m % group_pad or tiles.block_m < 16:

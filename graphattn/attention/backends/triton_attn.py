@@ -32,9 +32,9 @@ from graphattn.attention.backend import (
     CommonAttentionMetadata,
 )
 from graphattn.attention.registry import register_backend
+from graphattn.kernels.attention_plan import MAX_GROUP, choose_num_splits  # no Triton needed
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
-MAX_GROUP = 64  # query heads per KV head (attention_plan.MAX_GROUP)
 CPU_NUM_SMS = 4  # "SMs" the split choice assumes under the interpreter (exercises split-KV)
 
 
@@ -46,6 +46,7 @@ class TritonMetadata:
     num_input_tokens: int  # padded; the launch covers this many tokens
     num_reqs: int  # padded
     num_splits: int  # split-KV splits asked for (the impl caps them by its head group)
+    uniform_decode: bool  # every request has one query token (part of a graph's key)
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, kernel blocks
@@ -82,6 +83,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             cam.num_input_tokens,
             cam.num_reqs,
             self.num_splits(cam.num_input_tokens, cam.num_reqs),
+            cam.max_query_len == 1,  # the runner's uniform_decode
             cam.query_start_loc,
             cam.seq_lens,
             cam.block_table_tensor,
@@ -100,11 +102,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         key = (num_tokens, num_reqs)
         splits = self._splits.get(key)
         if splits is None:
-            plan_mod = _kernels().attention_plan
             splits = 1
             if num_tokens <= self.split_capacity:
                 heads = self.kv_cache_spec.num_kv_heads
-                splits = plan_mod.choose_num_splits(num_reqs, heads, self.num_sms)
+                splits = choose_num_splits(num_reqs, heads, self.num_sms)
             self._splits[key] = splits
         return splits
 
@@ -161,6 +162,7 @@ class TritonImpl(AttentionImpl):
             dtype=dtype,
             device_type=device_type,
             num_splits=md.num_splits,
+            uniform_decode=md.uniform_decode,
         )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
