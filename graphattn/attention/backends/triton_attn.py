@@ -7,9 +7,9 @@ per-request length from device tensors. The KV-cache write is a separate op
 (``do_kv_cache_update``). On the CPU it runs under the Triton interpreter
 (``TRITON_INTERPRET=1``), ranked below TORCH_REF.
 
-The kernel modules are imported when the first builder or impl is made, not with this
-module: Triton decides between compiling and interpreting when a kernel is defined, and
-this module must import where Triton is missing.
+The Triton kernel modules are imported when the first builder is made or the first
+launch runs, not with this module: Triton decides between compiling and interpreting when
+a kernel is defined, and this module must import where Triton is missing.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     """
 
     cudagraph_support = AttentionCGSupport.ALWAYS
-    reorder_batch_threshold = 1  # the kernels need no order; decodes first keeps TORCH_REF's
+    reorder_batch_threshold = 1  # decodes first like the other backends; the kernels need no order
 
     def __init__(self, kv_cache_spec, layer_names, config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, config, device)
