@@ -17,6 +17,7 @@ import torch
 from helpers import DEVICES, TableAttentionModel, make_seqs, rel_err, run_with_prefixes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_torch_ref import shapes  # prefills, chunked prefills and decodes mixed
 
 import graphattn as ga
 from graphattn.attention import AttentionSelectorConfig, candidates, select_backend
@@ -28,23 +29,8 @@ from graphattn.capture.mode import CUDAGraphMode
 from graphattn.kernels import split_kv, unified_attention
 from graphattn.kv_cache import FullAttentionSpec
 
-KINDS = st.sampled_from(["prefill", "chunked", "decode"])
 # fp32 everywhere on the CPU; bf16 engines on the GPU are judged at 3 bf16 unit roundoffs
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3 * 2**-8}
-
-
-@st.composite
-def shapes(draw, max_reqs=4):
-    """(num_computed, num_new) per request: prefills, chunked prefills and decodes mixed."""
-    out = []
-    for kind in draw(st.lists(KINDS, min_size=1, max_size=max_reqs)):
-        if kind == "prefill":
-            out.append((0, draw(st.integers(1, 50))))
-        elif kind == "chunked":
-            out.append((draw(st.integers(1, 40)), draw(st.integers(2, 20))))
-        else:
-            out.append((draw(st.integers(1, 80)), 1))
-    return out
 
 
 def _engine(model, block_size=16, device="cpu", backend="TRITON", **kw):
@@ -71,7 +57,7 @@ def _expected(model, seqs):
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=8, deadline=None)
 @given(
-    shape=shapes(),
+    shape=shapes(max_reqs=4),
     block_size=st.sampled_from([16, 32]),
     gqa=st.sampled_from([1, 2, 4]),
     head_size=st.sampled_from([64, 80]),
@@ -251,9 +237,9 @@ def test_launch_is_fixed_for_a_padded_size(monkeypatch, num_sms):
         [(9, 1), (0, 6), (15, 1)],  # decodes and a prefill
     ]
     launches = []
-    for shapes in batches:
+    for batch in batches:
         log.clear()
-        cam = h.cam(shapes, num_tokens=12, num_reqs=6)
+        cam = h.cam(batch, num_tokens=12, num_reqs=6)
         query = torch.randn(12, h.num_heads, h.head_size)
         out = h.forward(cam, query)
         assert rel_err(out[: cam.num_actual_tokens], _reference(h, cam, query)) < 1e-5
@@ -261,9 +247,9 @@ def test_launch_is_fixed_for_a_padded_size(monkeypatch, num_sms):
     assert launches[0] == launches[1] == launches[2]
     assert len(launches[0]) == (1 if num_sms == 1 else 2)  # split-KV adds the reduction
     decodes = []
-    for shapes in ([(9, 1), (0, 1), (15, 1)], [(40, 1), (3, 1), (7, 1), (1, 1), (2, 1)]):
+    for batch in ([(9, 1), (0, 1), (15, 1)], [(40, 1), (3, 1), (7, 1), (1, 1), (2, 1)]):
         log.clear()
-        h.forward(h.cam(shapes, num_tokens=12, num_reqs=6), torch.randn(12, 8, 64))
+        h.forward(h.cam(batch, num_tokens=12, num_reqs=6), torch.randn(12, 8, 64))
         decodes.append(list(log))
     assert decodes[0] == decodes[1]
 
