@@ -39,12 +39,11 @@ def _call_model(model: torch.nn.Module, input_ids: torch.Tensor, positions: torc
 
 @dataclass
 class Trace:
-    """One Dynamo trace: the graph, the real values Dynamo bound to its inputs, how to bind
-    a step's inputs, and the output of the traced run.
+    """One Dynamo trace: the graph, how to bind a step's inputs to it, what it assumes of
+    them, and the output of the traced run.
     """
 
     graph_module: fx.GraphModule
-    example_inputs: list[Any]
     binding: InputBinding
     signature: InputSignature
     output: torch.Tensor
@@ -89,7 +88,7 @@ def trace_model(
     _check_single_tensor_output(output, captured["graph_output"])
     binding = InputBinding(gm, inputs, input_ids, positions)
     signature = InputSignature.of(gm, inputs, input_ids, positions)
-    return Trace(gm, inputs, binding, signature, output, time.perf_counter() - start)
+    return Trace(gm, binding, signature, output, time.perf_counter() - start)
 
 
 class InputBinding:

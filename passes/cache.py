@@ -69,20 +69,21 @@ class CompileCache:
             return self._discard(path, f"loading it failed ({type(e).__name__}: {e})")
 
     def store(self, name: str, artifact: Any) -> bool:
-        """Write ``artifact`` (a ``CompiledArtifact``) as ``name``; False when it cannot be saved."""
+        """Write ``artifact`` (a ``CompiledArtifact``) as ``name``; False when it cannot be
+        saved (the build still runs; it is just compiled again next time).
+        """
         try:
-            payload = _save_artifact(artifact, self.pieces_dir)
-        except Exception as e:  # an unsaveable graph still runs; it is just compiled each time
+            write_atomic(self.path(name), _pack(_save_artifact(artifact, self.pieces_dir)))
+        except Exception as e:  # unsaveable graph, full disk, read-only folder: all alike
             logger.warning(
                 "compile cache: cannot save piece %s (%s: %s)", name, type(e).__name__, e
             )
             return False
-        write_atomic(self.path(name), _pack(payload))
         return True
 
     def _discard(self, path: str, why: str) -> None:
         logger.warning("compile cache: %s: %s; compiling it again", path, why)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.remove(path)
         return None
 

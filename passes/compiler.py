@@ -284,7 +284,14 @@ def _open_cache(
         "trace_tokens": trace_tokens,
     }
     factors = cache_factors(options.cache_factors, model, gm, passes.uuid(), settings)
-    return CompileCache(options.cache_dir or envs.cache_root(), factors)
+    root = options.cache_dir or envs.cache_root()
+    try:
+        return CompileCache(root, factors)
+    except OSError as e:
+        logger.warning(
+            "graphattn compile: no compile cache in %s (%s); compiling every piece", root, e
+        )
+        return None
 
 
 def _specialise(

@@ -412,6 +412,18 @@ def test_a_changed_factor_misses(toy, cache_dir):
     assert other.info.cache_misses == compiled.info.cache_misses
 
 
+def test_an_unusable_cache_folder_only_costs_the_cache(toy, tmp_path, caplog):
+    model, _, _ = toy
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with caplog.at_level(logging.WARNING, logger="graphattn"):
+        compiled = _compile(model, _options(not_a_folder))
+    assert compiled.info.cache_dir == "" and compiled.info.cache_hits == 0
+    assert any("no compile cache" in r.getMessage() for r in caplog.records)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(*_inputs(5)), _eager(model, 5), rtol=1e-5, atol=1e-5)
+
+
 # -- debug dump ---------------------------------------------------------------------------
 
 
