@@ -533,7 +533,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(result: dict) -> None:
+    """The sweep first, then the main table and the targets (the part a log tail shows)."""
     m = result["meta"]
+    if result["sweep"]:
+        print(
+            "\nsweep (TRITON on the target cases; variant = block_m, tile_n, warps, stages, splits):"
+        )
+        print(table(result["sweep"], m["copy_TBps"]))
     print(
         f"\n{m['gpu']} ({m['num_sms']} SMs), torch {m['torch']}, triton {m['triton']}, {m['date']}"
     )
@@ -542,16 +548,13 @@ def print_report(result: dict) -> None:
     if m["copy_TBps"]:
         print(f"device copy bandwidth: {m['copy_TBps']:.2f} TB/s (read + written)")
     print("decode rate = K+V bytes / time; prefill rate = batch*4*seq^2*heads*dim/2 FLOPs / time")
-    print("rel err = relative Frobenius error against fp32 attention on the same values\n")
+    print("rel err = relative Frobenius error against fp32 attention on the same values")
     print(table(result["rows"], m["copy_TBps"]))
-    if result["sweep"]:
-        print("\nsweep (TRITON, target cases):")
-        print(table(result["sweep"], m["copy_TBps"]))
-    print("\ntargets:")
+    print("targets:")
     for t in result["targets"]:
         value = "-" if t["value"] is None else f"{t['value']:.2f}"
         print(f"  {t['case']:16s} {t['target']:16s} {value:>8s}  {t['verdict']}")
-    print(f"\nwall time {result['wall_seconds']:.0f} s")
+    print(f"wall time {result['wall_seconds']:.0f} s")
 
 
 def _release(device: torch.device) -> None:
