@@ -54,6 +54,7 @@ class CompileConfig:
         compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace).
         compile_sizes: token counts that also get a specialised Inductor build.
         splitting_ops: op names to split the traced graph at; None takes the attention ops.
+        passes: post-grad passes Inductor runs on every piece (by name).
         cache_dir: compile cache folder; None takes ``$GRAPHATTN_CACHE_DIR`` or the user cache.
         debug_dump_path: folder for decompiled code, graphs and Inductor output.
     Behaviour:
@@ -72,9 +73,10 @@ class CompileConfig:
     attention_backend: str | None = None
     cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE
     cudagraph_capture_sizes: tuple[int, ...] | None = None
-    compile_backend: str = "none"
+    compile_backend: str = "inductor"
     compile_sizes: tuple[int, ...] = ()
     splitting_ops: tuple[str, ...] | None = None
+    passes: tuple[str, ...] = ("noop_elimination",)
     cache_dir: str | None = None
     debug_dump_path: str | None = None
     strict: bool = False
@@ -111,6 +113,9 @@ class CompileConfig:
                     f"splitting_ops must be a list of op names, got {self.splitting_ops!r}"
                 )
             self._set("splitting_ops", tuple(self.splitting_ops))
+        if isinstance(self.passes, str) or not all(isinstance(p, str) for p in self.passes):
+            raise ConfigError(f"passes must be a list of pass names, got {self.passes!r}")
+        self._set("passes", tuple(self.passes))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

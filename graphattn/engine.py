@@ -213,6 +213,7 @@ class CompiledModel:
             debug_dump_path=c.debug_dump_path,
             strict=c.strict or c.debug,
             cache_factors=self._cache_factors(),
+            passes=c.passes,
         )
         n = c.max_num_tokens
         example = (self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n])
@@ -234,6 +235,7 @@ class CompiledModel:
             "splitting_ops": list(c.splitting_ops or ()),
             "compile_backend": c.compile_backend,
             "compile_sizes": list(c.compile_sizes),
+            "passes": list(c.passes),
             "model": type(self.model).__qualname__,
         }
 

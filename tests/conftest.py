@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, settings
 # any kernel module is imported (Triton reads it when a kernel is decorated).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor compiles in this process: worker pools cost more than they save on a small CI box.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 settings.register_profile(
     "ci",

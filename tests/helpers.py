@@ -156,3 +156,11 @@ def assert_unchanged(engine, snap) -> None:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double().cpu(), ref.double().cpu()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def eager_engine(model, **overrides):
+    """``ga.compile`` without a trace (compile_backend="none") unless the test says otherwise:
+    for tests whose subject is not compilation, so the CPU suite stays fast.
+    """
+    overrides.setdefault("compile_backend", "none")
+    return ga.compile(model, **overrides)

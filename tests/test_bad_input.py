@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, TableAttentionModel, assert_unchanged, snapshot
+from helpers import DEVICES, TableAttentionModel, assert_unchanged, eager_engine, snapshot
 
 import graphattn as ga
 
@@ -12,7 +12,7 @@ import graphattn as ga
 @pytest.fixture(params=DEVICES)
 def engine(request):
     model = TableAttentionModel(40, 4, 2, 64).to(request.param)
-    eng = ga.compile(model, max_num_seqs=4, max_num_tokens=64, num_blocks=8, max_model_len=96)
+    eng = eager_engine(model, max_num_seqs=4, max_num_tokens=64, num_blocks=8, max_model_len=96)
     eng.kv_cache.allocate(3)
     # something in the cache to protect
     eng.step(ga.Batch.from_requests([ga.Request(list(range(20)), 0, [0, 1])]))
@@ -83,14 +83,14 @@ def test_rejected_step_then_good_step(engine):
 def test_model_dtype_must_match_config():
     model = TableAttentionModel(8, 2, 2, 64)
     with pytest.raises(ga.InvalidInputError, match="convert the model first"):
-        ga.compile(model, dtype="bfloat16", num_blocks=4)
+        eager_engine(model, dtype="bfloat16", num_blocks=4)
 
 
 def test_layer_inputs_are_checked():
     from graphattn.attention import set_forward_context
 
     model = TableAttentionModel(8, 2, 2, 64)
-    engine = ga.compile(model, num_blocks=4)
+    engine = eager_engine(model, num_blocks=4)
     attn = model.attns[0]
     q = torch.randn(3, 128)
     with set_forward_context(None, layers=engine.bound):

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import TableAttentionModel, make_seqs, rel_err
+from helpers import TableAttentionModel, eager_engine, make_seqs, rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -172,7 +172,9 @@ def test_capture_order_full_first_largest_first():
 def padded_engine():
     """An eager engine whose runner pads as the dispatcher says (no graphs on the CPU)."""
     model = TableAttentionModel(64, 4, 2, 64, seed=5)
-    engine = ga.compile(model, num_blocks=64, max_num_seqs=8, max_num_tokens=64, max_model_len=256)
+    engine = eager_engine(
+        model, num_blocks=64, max_num_seqs=8, max_num_tokens=64, max_model_len=256
+    )
     d = CudagraphDispatcher(M.FULL, [1, 2, 4, 8, 16, 32, 64], max_num_seqs=8)
     seen = []
 

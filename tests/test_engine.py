@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICES, TableAttentionModel, make_seqs, rel_err
+from helpers import DEVICES, TableAttentionModel, eager_engine, make_seqs, rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -23,7 +23,7 @@ def _llama(device="cpu", dtype=torch.float32, **overrides):
 def test_incremental_decoding_equals_recomputing(device):
     """Prefill 20 tokens then decode 6 one at a time; the last logits equal one prefill of 26."""
     model = _llama(device)
-    engine = ga.compile(model, cudagraph_mode="NONE", num_blocks=64, max_model_len=128)
+    engine = eager_engine(model, cudagraph_mode="NONE", num_blocks=64, max_model_len=128)
     ids = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(3)).tolist()
     blocks = engine.kv_cache.allocate(2)
     engine.step(ga.Batch.from_requests([ga.Request(ids[:20], 0, blocks)]))
@@ -40,7 +40,7 @@ def test_incremental_decoding_equals_recomputing(device):
 def test_caller_order_is_preserved(order, seed):
     """Rows come back in the caller's request order however decodes and prefills are mixed."""
     model = TableAttentionModel(64, 4, 2, 64, seed=seed)
-    engine = ga.compile(model, num_blocks=64, max_model_len=128)
+    engine = eager_engine(model, num_blocks=64, max_model_len=128)
     shapes = [(0, 9), (5, 1), (0, 3), (17, 1), (8, 6), (30, 1)]
     seqs = make_seqs(np.random.default_rng(seed), shapes, 64, 16, 64)
     seqs = [seqs[i] for i in order]
@@ -81,7 +81,7 @@ class _Spy:
 def test_grouping_one_builder_and_one_metadata_per_group():
     # layers 0 and 2 have 4 query heads, layers 1 and 3 have 8: same KV spec, two groups
     model = TableAttentionModel(32, 4, 2, 64, heads_per_layer=[4, 8, 4, 8])
-    engine = ga.compile(model, num_blocks=32)
+    engine = eager_engine(model, num_blocks=32)
     assert len(engine.kv_cache.groups) == 1
     groups = {g.group_id: g.layer_names for g in engine.attn_groups}
     assert groups == {0: ["layers.0.attn", "layers.2.attn"], 1: ["layers.1.attn", "layers.3.attn"]}
@@ -109,7 +109,7 @@ def test_sliding_window_layers_form_their_own_kv_cache_group():
             x = torch.randn(ids.shape[0], 128) * self.w
             return self.full(x, x, x) + self.local(x, x, x)
 
-    engine = ga.compile(Mixed(), num_blocks=8)
+    engine = eager_engine(Mixed(), num_blocks=8)
     assert [g.layer_names for g in engine.kv_cache.groups] == [("full",), ("local",)]
     assert "sliding(window=8" in engine.report.groups[1].spec
 
@@ -118,17 +118,19 @@ def test_generate_continuous_batching_matches_one_prompt_at_a_time():
     model = _llama()
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 20, [9, 8, 7, 6, 5]]
     # two slots and a small token budget: prompts join late and prefills are chunked
-    engine = ga.compile(model, max_num_seqs=2, max_num_tokens=24, num_blocks=64, max_model_len=128)
+    engine = eager_engine(
+        model, max_num_seqs=2, max_num_tokens=24, num_blocks=64, max_model_len=128
+    )
     together = engine.generate(prompts, 6)
     assert engine.kv_cache.num_free_blocks == 64, "blocks of finished requests are freed"
-    alone = ga.compile(model, num_blocks=64, max_model_len=128)
+    alone = eager_engine(model, num_blocks=64, max_model_len=128)
     assert together == [alone.generate([p], 6)[0] for p in prompts]
     assert all(len(t) == 6 for t in together)
 
 
 def test_report_names_backend_per_layer_and_prints():
     model = _llama()
-    engine = ga.compile(model, cudagraph_mode="NONE", num_blocks=16)
+    engine = eager_engine(model, cudagraph_mode="NONE", num_blocks=16)
     text = str(engine.report)
     assert "requested NONE -> resolved NONE" in text
     assert all(layer.backend == "TORCH_REF" for layer in engine.report.layers)
@@ -143,7 +145,7 @@ def test_report_names_backend_per_layer_and_prints():
 
 def test_graph_modes_fall_back_to_none_without_cuda_and_say_why():
     with pytest.warns(ga.FallbackWarning, match=r"FULL -> NONE \(CUDA graphs need a CUDA device\)"):
-        engine = ga.compile(_llama(), cudagraph_mode="FULL", num_blocks=16)
+        engine = eager_engine(_llama(), cudagraph_mode="FULL", num_blocks=16)
     assert engine.resolved_mode == ga.CUDAGraphMode.NONE
     (record,) = engine.report.fallbacks
     assert record.requested == ga.CUDAGraphMode.FULL and record.backend == "TORCH_REF"
@@ -153,7 +155,7 @@ def test_graph_modes_fall_back_to_none_without_cuda_and_say_why():
 
 def test_strict_turns_a_fallback_into_an_error():
     with pytest.raises(ga.GraphAttnError, match="strict=True forbids lowering"):
-        ga.compile(_llama(), cudagraph_mode="PIECEWISE", num_blocks=16, strict=True)
+        eager_engine(_llama(), cudagraph_mode="PIECEWISE", num_blocks=16, strict=True)
 
 
 def test_default_mode_is_full_and_piecewise():
@@ -163,8 +165,8 @@ def test_default_mode_is_full_and_piecewise():
 def test_two_engines_can_serve_one_model():
     """Each engine keeps its own impls and caches: interleaved steps do not disturb each other."""
     model = TableAttentionModel(64, 4, 2, 64, seed=9)
-    a = ga.compile(model, cudagraph_mode="NONE", num_blocks=32, block_size=16)
-    b = ga.compile(model, cudagraph_mode="NONE", num_blocks=8, block_size=32)
+    a = eager_engine(model, cudagraph_mode="NONE", num_blocks=32, block_size=16)
+    b = eager_engine(model, cudagraph_mode="NONE", num_blocks=8, block_size=32)
     seqs = make_seqs(np.random.default_rng(3), [(12, 1), (0, 7)], 64, 32, 8)
     for s in seqs:  # prefixes into b only
         if s.num_computed:

@@ -79,7 +79,7 @@ def test_groups_by_spec_and_common_kernel_block_size():
 
 def test_engine_rewrites_block_table_for_smaller_kernel_blocks():
     """A backend whose kernels address 16-token blocks under a 32-token manager block."""
-    from helpers import TableAttentionModel, make_seqs, rel_err, run_with_prefixes
+    from helpers import TableAttentionModel, eager_engine, make_seqs, rel_err, run_with_prefixes
 
     from graphattn.attention.backends.torch_ref import TorchRefBackend
 
@@ -94,7 +94,7 @@ def test_engine_rewrites_block_table_for_smaller_kernel_blocks():
 
     ga.register_backend(Small, {}, replace=True)
     model = TableAttentionModel(64, 4, 2, 64, backend="TORCH_REF_KB16")
-    engine = ga.compile(model, block_size=32, num_blocks=16, max_model_len=128)
+    engine = eager_engine(model, block_size=32, num_blocks=16, max_model_len=128)
     assert engine.kv_cache.groups[0].kernel_block_size == 16
     assert engine.kv_cache.tensors["layers.0.attn"].shape[1:3] == (32, 16)
     seqs = make_seqs(np.random.default_rng(0), [(40, 1), (0, 50), (10, 7)], 64, 32, 16)

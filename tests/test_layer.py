@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TableAttentionModel
+from helpers import TableAttentionModel, eager_engine
 
 import graphattn as ga
 from graphattn.attention import get_forward_context, set_forward_context
@@ -12,7 +12,7 @@ from graphattn.attention import get_forward_context, set_forward_context
 
 def test_flat_and_unflattened_inputs_give_the_same_output():
     model = TableAttentionModel(16, 4, 2, 64)
-    engine = ga.compile(model, num_blocks=4)
+    engine = eager_engine(model, num_blocks=4)
     attn = model.attns[0]
     q, k, v = torch.randn(3, 256), torch.randn(3, 128), torch.randn(3, 128)
     blocks = engine.kv_cache.allocate(1)
@@ -73,7 +73,7 @@ def test_duplicate_layer_names_are_an_error():
             self.b = ga.Attention(2, 64, 1.0, prefix="same")
 
     with pytest.raises(ga.ConfigError, match="share the name 'same'"):
-        ga.compile(Two(), num_blocks=4)
+        eager_engine(Two(), num_blocks=4)
 
 
 def test_ops_trace_with_fake_tensors():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TableAttentionModel
+from helpers import TableAttentionModel, eager_engine
 
 import graphattn as ga
 from graphattn.attention import AttentionSelectorConfig, select_backend
@@ -88,15 +88,15 @@ def test_name_conflict_needs_replace():
 
 def test_layer_and_config_can_name_the_backend(picky):
     model = TableAttentionModel(8, 2, 2, 128, num_layers=2)
-    engine = ga.compile(model, num_blocks=4)
+    engine = eager_engine(model, num_blocks=4)
     assert [x.backend for x in engine.report.layers] == ["PICKY", "PICKY"]
-    engine = ga.compile(model, num_blocks=4, attention_backend="TORCH_REF")
+    engine = eager_engine(model, num_blocks=4, attention_backend="TORCH_REF")
     assert [(x.backend, x.selected_by) for x in engine.report.layers] == [
         ("TORCH_REF", "config"),
         ("TORCH_REF", "config"),
     ]
     model.attns[1].requested_backend = "PICKY"
-    engine = ga.compile(model, num_blocks=4, attention_backend="TORCH_REF")
+    engine = eager_engine(model, num_blocks=4, attention_backend="TORCH_REF")
     assert [(x.backend, x.selected_by) for x in engine.report.layers] == [
         ("TORCH_REF", "config"),
         ("PICKY", "layer"),
