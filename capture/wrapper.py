@@ -129,9 +129,18 @@ class CUDAGraphWrapper:
 
 
 def _abandon(graph: torch.cuda.CUDAGraph) -> None:
-    """End a capture that failed midway, ignoring the error the aborted capture reports."""
+    """End a capture that failed midway, ignoring the error the aborted capture reports.
+
+    An invalidated capture's ``capture_end`` raises before it releases the default CUDA
+    generator, which then refuses every later random op ("Offset increment outside graph
+    capture"); giving the generator a fresh copy of its state (same seed and offset) ends
+    that. Remove the reset when torch's capture_end releases generators on failure.
+    """
     with suppress(RuntimeError):
         graph.capture_end()
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    if hasattr(generator, "graphsafe_set_state"):
+        generator.graphsafe_set_state(generator.clone_state())
     torch.cuda.synchronize()
 
 

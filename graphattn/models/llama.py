@@ -46,7 +46,7 @@ class LlamaConfig:
 
     @classmethod
     def tiny(cls, **overrides: Any) -> LlamaConfig:
-        """A few-layer model for tests and the CPU demo."""
+        """A few-layer model for tests and the demo (head size 64: every backend serves it)."""
         base = dict(
             vocab_size=512,
             hidden_size=128,
@@ -54,6 +54,7 @@ class LlamaConfig:
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
+            head_dim=64,
             max_position_embeddings=2048,
         )
         return cls(**{**base, **overrides})
