@@ -74,10 +74,15 @@ class CaptureManager:
             return forward
         return CUDAGraphWrapper(forward, M.FULL, self.state, name="model")
 
-    def capture(self, runner: Capturer) -> dict[str, Any]:
-        """Capture every graph (start-up only); what the report shows about it."""
+    def capture(self, runner: Capturer, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Capture every graph (start-up only); what the report shows about it.
+
+        ``weights`` are the tensors the graphs read besides the inputs; debug replays check
+        that they have not moved.
+        """
         if self.state is None:
             return {}
+        self.state.watch(weights)
         order = self.dispatcher.capture_order()
         free_before = torch.cuda.mem_get_info(self.state.device)[0]
         start = time.perf_counter()

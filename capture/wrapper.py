@@ -31,6 +31,20 @@ class CaptureState:
         self.debug = debug
         self.open = False  # capture allowed (start-up only)
         self.num_graphs = 0
+        self.watched: dict[str, tuple[torch.Tensor, int]] = {}  # checked at replay in debug mode
+
+    def watch(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Record where ``tensors`` (the weights) live; debug replays check they never moved."""
+        self.watched = {name: (t, t.data_ptr()) for name, t in tensors.items()}
+
+    def check_watched(self) -> None:
+        moved = [name for name, (t, address) in self.watched.items() if t.data_ptr() != address]
+        if moved:
+            raise CaptureError(
+                f"{len(moved)} weight tensor(s) moved after capture (first: {moved[0]}); graphs "
+                "read weights by address: load new weights in place (param.copy_(...)), never "
+                "by replacing or moving the tensors"
+            )
 
     @contextmanager
     def capture_phase(self) -> Iterator[None]:
@@ -89,6 +103,7 @@ class CUDAGraphWrapper:
             return self._capture(key, args)
         if self.state.debug:
             self._check_addresses(key, entry, args)
+            self.state.check_watched()
         entry.graph.replay()
         return entry.output
 

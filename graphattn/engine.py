@@ -75,7 +75,9 @@ class CompiledModel:
         self.compiled = self._compile()
         forward = self.compiled if self.compiled is not None else self.model
         self.runner.forward = self.graphs.wrap_model(forward)
-        self.capture_info = self.graphs.capture(self.runner)
+        weights = dict(self.model.named_parameters())
+        weights.update(self.model.named_buffers())
+        self.capture_info = self.graphs.capture(self.runner, weights)
         self.runner.planner = self.graphs.dispatcher.dispatch
         self.report = self._make_report(time.perf_counter() - start)
         logger.info("graphattn engine ready:\n%s", self.report)

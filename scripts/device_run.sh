@@ -18,12 +18,12 @@ status=0
 for part in "$@"; do
   start=$(date +%s)
   case "$part" in
-    tests) python3 -m pytest -m gpu -q -p no:cacheprovider ${GA_PYTEST_ARGS:-} 2>&1 \
+    tests) eval "python3 -m pytest -m gpu -q -p no:cacheprovider ${GA_PYTEST_ARGS:-}" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     attention) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 \
              | tee "$OUT/attention.log" | tail -40; rc=${PIPESTATUS[0]} ;;
-    decode) python3 benchmarks/decode.py --out "$OUT/decode.json" --plot "$OUT/decode.png" \
-             ${GA_DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -60; rc=${PIPESTATUS[0]} ;;
+    decode) eval "python3 benchmarks/decode.py --out $OUT/decode.json --plot $OUT/decode.png ${GA_DECODE_ARGS:-}" 2>&1 \
+             | tee "$OUT/decode.log" | tail -60; rc=${PIPESTATUS[0]} ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac
   echo "== $part: exit $rc in $(( $(date +%s) - start )) s"

@@ -130,11 +130,22 @@ def make_seqs(rng: np.random.Generator, shapes, vocab, block_size, num_blocks) -
     return seqs
 
 
+def prefill_prefixes(engine, seqs: list[Seq]) -> None:
+    """Cache every sequence's computed prefix, as many per step as the token budget allows."""
+    budget, chunk, used = engine.config.max_num_tokens, [], 0
+    for s in (s for s in seqs if s.num_computed):
+        if chunk and used + s.num_computed > budget:
+            engine.step(ga.Batch.from_requests(chunk))
+            chunk, used = [], 0
+        chunk.append(s.prefix_request())
+        used += s.num_computed
+    if chunk:
+        engine.step(ga.Batch.from_requests(chunk))
+
+
 def run_with_prefixes(engine, seqs: list[Seq]) -> torch.Tensor:
-    """Cache every sequence's computed prefix (one step), then run the new tokens (one step)."""
-    prefixes = [s.prefix_request() for s in seqs if s.num_computed]
-    if prefixes:
-        engine.step(ga.Batch.from_requests(prefixes))
+    """Cache every sequence's computed prefix, then run the new tokens (one step)."""
+    prefill_prefixes(engine, seqs)
     return engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
 
 

@@ -14,7 +14,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import Seq, rel_err
+from helpers import Seq, prefill_prefixes, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,23 +119,9 @@ def _seqs(shapes, seed):
     return seqs
 
 
-def _prefill_both(ref, eng, seqs):
-    """Cache every sequence's prefix in both engines, a token budget's worth per step."""
-    budget, chunk, used = LIMITS["max_num_tokens"], [], 0
-    for s in [s for s in seqs if s.num_computed]:
-        if chunk and used + s.num_computed > budget:
-            for e in (ref, eng):
-                e.step(ga.Batch.from_requests(chunk))
-            chunk, used = [], 0
-        chunk.append(s.prefix_request())
-        used += s.num_computed
-    if chunk:
-        for e in (ref, eng):
-            e.step(ga.Batch.from_requests(chunk))
-
-
 def _step_both(ref, eng, seqs):
-    _prefill_both(ref, eng, seqs)
+    for e in (ref, eng):
+        prefill_prefixes(e, seqs)
     batch = ga.Batch.from_requests([s.request() for s in seqs])
     return ref.step(batch), eng.step(batch)
 
@@ -168,7 +154,8 @@ def test_graph_engine_matches_eager_engine(model, cache_dir, backend, mode):
     def check(case):
         kind, shapes, seed = case
         seqs = _seqs(shapes, seed)
-        _prefill_both(ref, eng, seqs)
+        for e in (ref, eng):
+            prefill_prefixes(e, seqs)
         before = dict(eng.stats.runtime_modes)
         batch = ga.Batch.from_requests([s.request() for s in seqs])
         out_ref, out = ref.step(batch), eng.step(batch)
@@ -180,7 +167,8 @@ def test_graph_engine_matches_eager_engine(model, cache_dir, backend, mode):
             b = ref.kv_cache.tensors[name].flatten(1, 2)[:, slots]
             assert rel_err(a, b) < 2e-2, name
         ran = [m for m, n in eng.stats.runtime_modes.items() if n != before.get(m, 0)]
-        assert ran == [_expected_runtime(eng.resolved_mode, kind)], (kind, ran)
+        expected = _expected_runtime(eng.resolved_mode, kind, batch.num_tokens)
+        assert ran == [expected], (kind, batch.num_tokens, ran)
 
     check()
     assert eng.stats.recompiles == 0
@@ -189,8 +177,8 @@ def test_graph_engine_matches_eager_engine(model, cache_dir, backend, mode):
         assert eng.stats.fallbacks.get("batch above the largest capture size", 0) >= 0
 
 
-def _expected_runtime(mode, kind):
-    if mode == M.NONE or kind == "above":
+def _expected_runtime(mode, kind, num_tokens):
+    if mode == M.NONE or num_tokens > max(SIZES):
         return "NONE"
     if kind in ("decode", "between") and mode.decode_mode() == M.FULL:
         return "FULL"
@@ -211,7 +199,10 @@ def test_report_shows_capture(model, cache_dir):
 def test_above_largest_size_is_counted_not_printed(model, cache_dir, capsys):
     ref, eng = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE)
     seqs = _seqs([(10, 1)] * 40, 7)
+    for e in (ref, eng):
+        prefill_prefixes(e, seqs)
     before = eng.stats.fallbacks["batch above the largest capture size"]
-    _step_both(ref, eng, seqs)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    ref.step(batch), eng.step(batch)
     assert eng.stats.fallbacks["batch above the largest capture size"] == before + 1
     assert "largest" not in capsys.readouterr().out

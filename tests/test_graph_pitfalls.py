@@ -6,10 +6,12 @@
 - Host synchronization inside a captured region is a CaptureError at start-up that says
   what went wrong, never a hang or a silently wrong graph.
 - Capture after start-up is an error; nothing captures lazily at serve time.
-- Inputs are read by address: debug mode checks the addresses at every replay.
+- Inputs and weights are read by address: debug mode checks both at every replay.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -25,7 +27,11 @@ LIMITS = dict(max_num_seqs=16, max_num_tokens=1024, max_model_len=256, num_block
 
 @pytest.fixture(scope="module")
 def full_engine():
-    model = TableAttentionModel(64, 8, 2, 64, seed=3).to("cuda", torch.bfloat16)
+    # the served model never moves after capture (graphs read its weights by address); the
+    # float copy on the CPU computes the expected outputs
+    model = TableAttentionModel(64, 8, 2, 64, seed=3).to(torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    model.to("cuda")
     eng = ga.compile(
         model,
         cudagraph_mode="FULL_DECODE_ONLY",
@@ -35,7 +41,7 @@ def full_engine():
         debug=True,
         **LIMITS,
     )
-    return eng, model
+    return eng, reference
 
 
 def _decode_batch(seqs):
@@ -65,16 +71,14 @@ def test_host_scalars_are_not_frozen_at_capture(full_engine):
     """Batches of 5, 6 and 8 decodes with different lengths all replay the 8-token graph."""
     import numpy as np
 
-    eng, model = full_engine
+    eng, reference = full_engine
     for n, ctx, seed in ((5, 17, 3), (6, 90, 4), (8, 33, 5)):
         seqs = make_seqs(np.random.default_rng(seed), [(ctx + i, 1) for i in range(n)], 64, 16, 64)
         _prefill(eng, seqs)
         full_before = eng.stats.runtime_modes["FULL"]
         out = eng.step(_decode_batch(seqs))
         assert eng.stats.runtime_modes["FULL"] == full_before + 1
-        model_cpu = model.float().cpu()
-        expected = torch.cat([model_cpu.expected(s.ids, 1) for s in seqs])
-        model.to("cuda", torch.bfloat16)
+        expected = torch.cat([reference.expected(s.ids, 1) for s in seqs])
         assert rel_err(out, expected) < 2e-2
 
 
@@ -137,3 +141,25 @@ def test_moved_inputs_are_caught_in_debug_mode(full_engine):
         pytest.raises(ga.CaptureError, match="other addresses"),
     ):
         eng.runner.forward(moved, moved)
+
+
+def test_moved_weights_are_caught_in_debug_mode():
+    import numpy as np
+
+    model = TableAttentionModel(64, 8, 2, 64, seed=6).to("cuda", torch.bfloat16)
+    eng = ga.compile(
+        model,
+        cudagraph_mode="FULL_DECODE_ONLY",
+        compile_backend="none",
+        attention_backend="TRITON",
+        cudagraph_capture_sizes=[2],
+        debug=True,
+        **LIMITS,
+    )
+    seqs = make_seqs(np.random.default_rng(1), [(5, 1), (9, 1)], 64, 16, 64)
+    _prefill(eng, seqs)
+    eng.step(_decode_batch(seqs))
+    with torch.no_grad():
+        model.k.data = model.k.data.clone()  # a new tensor: the graph would read the old one
+    with pytest.raises(ga.CaptureError, match="moved after capture"):
+        eng.step(_decode_batch(seqs))
