@@ -1,4 +1,10 @@
-"""Persistent input buffers: allocated once at the largest step, read by graphs by address."""
+"""Persistent input buffers: allocated once at the largest step, read by graphs by address.
+
+Every per-step input lives in one of three flat buffers, each with a pinned host copy, so a
+step reaches the device with three asynchronous copies whatever the batch. The model's two
+inputs (``input_ids``, ``positions``) each start a buffer: the traced graph sees tensors
+with storage offset 0, so the offset never becomes a symbolic size.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +13,50 @@ from collections.abc import Iterable
 import torch
 
 
-class HostDeviceBuffer:
-    """A device tensor with a host staging copy (pinned on CUDA) and a numpy view of it."""
+class BufferView:
+    """One named input: ``np`` (host numpy), ``cpu`` (host tensor), ``gpu`` (device tensor),
+    all views of the flat buffers with the same shape.
+    """
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+    def __init__(
+        self, host: torch.Tensor, device: torch.Tensor, start: int, shape: tuple[int, ...]
+    ) -> None:
+        size = 1
+        for n in shape:
+            size *= n
+        self.cpu = host[start : start + size].view(shape)
         self.np = self.cpu.numpy()
-        self.gpu = (
-            self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
-        )
+        self.gpu = device[start : start + size].view(shape)
+        self.end = start + size
 
-    def copy_to_device(self, rows: int, cols: int | None = None) -> torch.Tensor:
-        """Copy the first ``rows`` (and ``cols``) to the device; returns the device slice."""
-        if cols is None:
-            dst, src = self.gpu[:rows], self.cpu[:rows]
-        else:
-            dst, src = self.gpu[:rows, :cols], self.cpu[:rows, :cols]
-        if self.gpu is not self.cpu:
-            dst.copy_(src, non_blocking=True)
-        return dst
+
+class _Flat:
+    """A flat host buffer (pinned on CUDA) and its device twin, carved into views."""
+
+    def __init__(
+        self, sizes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        total = sum(_numel(s) for s in sizes.values())
+        self.host = torch.zeros(total, dtype=dtype, pin_memory=device.type == "cuda")
+        self.device = (
+            self.host if device.type == "cpu" else torch.zeros(total, dtype=dtype, device=device)
+        )
+        self.views, start = {}, 0
+        for name, shape in sizes.items():
+            self.views[name] = BufferView(self.host, self.device, start, shape)
+            start = self.views[name].end
+
+    def copy_prefix(self, end: int) -> None:
+        if self.device is not self.host:
+            self.device[:end].copy_(self.host[:end], non_blocking=True)
 
 
 class InputBuffers:
     """Every per-step input the model and the attention metadata read.
 
     Sized for ``max_num_tokens`` tokens and ``max_num_seqs`` requests; ``block_tables``
-    has one table per kernel-block ratio in use (manager blocks rewritten into kernel blocks).
+    has one table per kernel-block ratio in use (manager blocks rewritten into kernel
+    blocks), each with a fixed row stride so graphs see fixed strides.
     """
 
     def __init__(
@@ -44,26 +67,44 @@ class InputBuffers:
         kernel_block_ratios: Iterable[int],
         device: torch.device,
     ) -> None:
-        self.input_ids = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.positions = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.slot_mapping = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.query_start_loc = HostDeviceBuffer((max_num_seqs + 1,), torch.int32, device)
-        self.seq_lens = HostDeviceBuffer((max_num_seqs,), torch.int32, device)
-        self.output_index = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.block_tables = {
-            ratio: HostDeviceBuffer((max_num_seqs, max_blocks_per_seq * ratio), torch.int32, device)
-            for ratio in sorted(set(kernel_block_ratios))
-        }
+        t, r = max_num_tokens, max_num_seqs
+        # token-sized int64 inputs, so a step copies a prefix of each buffer
+        self._i64 = _Flat(
+            {"input_ids": (t,), "slot_mapping": (t,), "output_index": (t,)}, torch.int64, device
+        )
+        self._pos = _Flat({"positions": (t,)}, torch.int64, device)
+        ratios = sorted(set(kernel_block_ratios))
+        tables = {f"block_table[{k}]": (r, max_blocks_per_seq * k) for k in ratios}
+        self._i32 = _Flat(
+            {"query_start_loc": (r + 1,), "seq_lens": (r,), **tables}, torch.int32, device
+        )
+        v64, v32 = self._i64.views, self._i32.views
+        self.input_ids, self.positions = v64["input_ids"], self._pos.views["positions"]
+        self.slot_mapping, self.output_index = v64["slot_mapping"], v64["output_index"]
+        self.query_start_loc, self.seq_lens = v32["query_start_loc"], v32["seq_lens"]
+        self.block_tables = {k: v32[f"block_table[{k}]"] for k in ratios}
         self.is_prefilling = torch.zeros(max_num_seqs, dtype=torch.bool)
+        self.is_prefilling_np = self.is_prefilling.numpy()
+
+    def copy_to_device(self, num_tokens: int, num_reqs: int) -> None:
+        """Three asynchronous copies: the int64 inputs of ``num_tokens`` tokens, their
+        positions, and the int32 inputs (lengths and block-table rows) of ``num_reqs`` requests.
+        """
+        self._i64.copy_prefix(self.output_index.end - self.output_index.np.size + num_tokens)
+        self._pos.copy_prefix(num_tokens)
+        last = self.block_tables[max(self.block_tables)]
+        self._i32.copy_prefix(last.end - last.np.size + num_reqs * last.np.shape[1])
 
     def addresses(self) -> dict[str, int]:
         """Device addresses of every buffer (graphs read them; they must never move)."""
-        named = {
-            "input_ids": self.input_ids,
-            "positions": self.positions,
-            "slot_mapping": self.slot_mapping,
-            "query_start_loc": self.query_start_loc,
-            "seq_lens": self.seq_lens,
+        return {
+            name: flat.device.data_ptr()
+            for name, flat in (("int64", self._i64), ("positions", self._pos), ("int32", self._i32))
         }
-        named.update({f"block_table[{r}]": b for r, b in self.block_tables.items()})
-        return {name: buf.gpu.data_ptr() for name, buf in named.items()}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

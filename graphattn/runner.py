@@ -86,6 +86,7 @@ class ModelRunner:
         ]
         self.reorder_threshold = min(thresholds) if thresholds else None
         self.layer_names = list(layers)
+        self._view_cache: dict[tuple[int, int], tuple[dict[str, torch.Tensor], list]] = {}
         # Each step's host copies must have left the pinned staging buffers before the
         # next step overwrites them.
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
@@ -110,9 +111,9 @@ class ModelRunner:
         """Metadata for the prepared buffers, then the model under the forward context."""
         cams = self.common_metadata(plan)
         attn_metadata = self.build_metadata(cams, capturing=capturing)
-        slot_mapping = self.buffers.slot_mapping.gpu[: plan.num_input_tokens]
+        shared, _ = self._views(plan.num_reqs_padded, plan.num_input_tokens)
+        slot_mapping, positions = shared["slot_mapping"], shared["positions"]
         ids = self.buffers.input_ids.gpu[: plan.num_input_tokens]
-        positions = self.buffers.positions.gpu[: plan.num_input_tokens]
         with set_forward_context(
             attn_metadata,
             plan.batch_descriptor,
@@ -151,36 +152,52 @@ class ModelRunner:
         b.slot_mapping.np[:t] = blocks * block_size + positions % block_size
         max_seq_len = int(seq_lens.max())
         self._fill_block_tables(table, r, -(-max_seq_len // block_size))
-        b.is_prefilling[:r] = torch.from_numpy(q > 1)
+        np.greater(q, 1, out=b.is_prefilling_np[:r])
         max_query_len = int(q.max())
         plan = StepPlan(r, t, max_query_len, max_seq_len, max_query_len == 1, order is not None)
         self._pad(plan)
-        self._copy_to_device(plan, -(-max_seq_len // block_size))
+        self._copy_to_device(plan)
         return plan
 
     def common_metadata(self, plan: StepPlan) -> list[CommonAttentionMetadata]:
         """One ``CommonAttentionMetadata`` per KV-cache group, over the padded batch."""
-        b, rp, tp = self.buffers, plan.num_reqs_padded, plan.num_input_tokens
-        shared = dict(
-            query_start_loc=b.query_start_loc.gpu[: rp + 1],
-            query_start_loc_cpu=b.query_start_loc.cpu[: rp + 1],
-            seq_lens=b.seq_lens.gpu[:rp],
-            seq_lens_cpu=b.seq_lens.cpu[:rp],
-            max_seq_len=plan.max_seq_len,
-            num_reqs=rp,
-            num_actual_tokens=plan.num_tokens,
-            num_input_tokens=tp,
-            max_query_len=plan.max_query_len,
-            slot_mapping=b.slot_mapping.gpu[:tp],
-            positions=b.positions.gpu[:tp],
-            is_prefilling=b.is_prefilling[:rp],
-        )
+        shared, tables = self._views(plan.num_reqs_padded, plan.num_input_tokens)
         return [
             CommonAttentionMetadata(
-                block_table_tensor=b.block_tables[g.blocks_per_kernel_block].gpu[:rp], **shared
+                max_seq_len=plan.max_seq_len,
+                num_reqs=plan.num_reqs_padded,
+                num_actual_tokens=plan.num_tokens,
+                num_input_tokens=plan.num_input_tokens,
+                max_query_len=plan.max_query_len,
+                block_table_tensor=table,
+                **shared,
             )
-            for g in self.kv_cache_groups
+            for table in tables
         ]
+
+    def _views(self, rp: int, tp: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """The buffer slices of a (requests, tokens) size, made once per size: slicing costs
+        about a microsecond a tensor, and decode steps repeat a few sizes.
+        """
+        views = self._view_cache.get((rp, tp))
+        if views is None:
+            if len(self._view_cache) > 4096:
+                self._view_cache.clear()
+            b = self.buffers
+            shared = dict(
+                query_start_loc=b.query_start_loc.gpu[: rp + 1],
+                query_start_loc_cpu=b.query_start_loc.cpu[: rp + 1],
+                seq_lens=b.seq_lens.gpu[:rp],
+                seq_lens_cpu=b.seq_lens.cpu[:rp],
+                slot_mapping=b.slot_mapping.gpu[:tp],
+                positions=b.positions.gpu[:tp],
+                is_prefilling=b.is_prefilling[:rp],
+            )
+            tables = [
+                b.block_tables[g.blocks_per_kernel_block].gpu[:rp] for g in self.kv_cache_groups
+            ]
+            views = self._view_cache[(rp, tp)] = (shared, tables)
+        return views
 
     def build_metadata(
         self, cams: Sequence[CommonAttentionMetadata], *, capturing: bool = False
@@ -235,8 +252,7 @@ class ModelRunner:
         b.input_ids.np[:tokens] = 0
         b.positions.np[:tokens] = 0
         b.slot_mapping.np[:tokens] = -1
-        b.is_prefilling[:reqs] = torch.from_numpy(q > 1)
-        width = -(-int(q.max()) // self.limits.block_size)
+        np.greater(q, 1, out=b.is_prefilling_np[:reqs])
         for buf in b.block_tables.values():
             buf.np[:reqs] = 0
         plan = StepPlan(
@@ -251,7 +267,7 @@ class ModelRunner:
             mode,
             key,
         )
-        self._copy_to_device(plan, width)
+        self._copy_to_device(plan)
         return plan
 
     # -- helpers ----------------------------------------------------------------------
@@ -295,17 +311,9 @@ class ModelRunner:
             starts = np.minimum(t + np.arange(1, reqs - r + 1), tokens)
             b.query_start_loc.np[r + 1 : reqs + 1] = starts
             b.seq_lens.np[r:reqs] = 0
-            b.is_prefilling[r:reqs] = False
+            b.is_prefilling_np[r:reqs] = False
 
-    def _copy_to_device(self, plan: StepPlan, width: int) -> None:
-        b, tp, rp = self.buffers, plan.num_input_tokens, plan.num_reqs_padded
-        for buf in (b.input_ids, b.positions, b.slot_mapping):
-            buf.copy_to_device(tp)
-        b.query_start_loc.copy_to_device(rp + 1)
-        b.seq_lens.copy_to_device(rp)
-        if plan.reordered:
-            b.output_index.copy_to_device(plan.num_tokens)
-        for ratio, buf in b.block_tables.items():
-            buf.copy_to_device(plan.num_reqs, width * ratio)
+    def _copy_to_device(self, plan: StepPlan) -> None:
+        self.buffers.copy_to_device(plan.num_input_tokens, plan.num_reqs_padded)
         if self._copies_done is not None:
             self._copies_done.record()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the checkout, then run the named parts, each logging
 # under $OUT. Parts: tests (pytest -m gpu), attention (benchmarks/attention.py),
-# decode (benchmarks/decode.py). Extra pytest/benchmark arguments come from
+# decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py), demo. Extra pytest/benchmark arguments come from
 # GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail
@@ -24,6 +24,10 @@ for part in "$@"; do
              | tee "$OUT/attention.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     decode) eval "python3 benchmarks/decode.py --out $OUT/decode.json --plot $OUT/decode.png ${GA_DECODE_ARGS:-}" 2>&1 \
              | tee "$OUT/decode.log" | tail -60; rc=${PIPESTATUS[0]} ;;
+    profile) { python3 benchmarks/profile_decode.py --batch 1 --out "$OUT/profile-bs1.json" \
+               && python3 benchmarks/profile_decode.py --batch 32 --out "$OUT/profile-bs32.json"; } \
+             2>&1 | grep -v "^USDT" | tee "$OUT/profile.log" | tail -70; rc=${PIPESTATUS[0]} ;;
+    demo) python3 -m graphattn demo 2>&1 | tee "$OUT/demo.log" | tail -30; rc=${PIPESTATUS[0]} ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac
   echo "== $part: exit $rc in $(( $(date +%s) - start )) s"
