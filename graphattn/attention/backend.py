@@ -217,10 +217,13 @@ class AttentionBackend(ABC):
     def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
 
     @staticmethod
-    @abstractmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]: ...
+    ) -> tuple[int, ...]:
+        """The layer's cache tensor shape; by default keys and values stacked:
+        ``(2, num_blocks, block_size, num_kv_heads, head_size)``.
+        """
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     def full_cls_name(cls) -> str:

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
+# What the cache, the queries and the outputs may be stored as.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def expect_dtype(name: str, x: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
     if x.dtype not in allowed:

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from graphattn.kernels.checks import (
+    FLOAT_DTYPES,
     expect_dim,
     expect_dtype,
     expect_min_dim,
@@ -21,7 +22,6 @@ from graphattn.kernels.checks import (
     expect_unit_last_stride,
 )
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SLOT_DTYPES = (torch.int64, torch.int32)
 _MAX_HEADS_PER_PROGRAM = 8
 

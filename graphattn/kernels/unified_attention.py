@@ -27,6 +27,7 @@ import triton.language as tl
 from graphattn.kernels import split_kv
 from graphattn.kernels.attention_plan import SPLIT_SLOTS, AttentionPlan
 from graphattn.kernels.checks import (
+    FLOAT_DTYPES,
     expect_dim,
     expect_dtype,
     expect_min_dim,
@@ -37,7 +38,6 @@ from graphattn.kernels.checks import (
 )
 from graphattn.kernels.split_kv import store_partial
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = math.log2(math.e)
 
 

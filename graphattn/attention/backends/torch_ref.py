@@ -102,10 +102,6 @@ class TorchRefBackend(AttentionBackend):
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
         return TorchRefMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
     @classmethod
     def get_supported_kernel_block_sizes(cls) -> tuple[int, ...]:
         return ()  # gathers whole blocks of any size

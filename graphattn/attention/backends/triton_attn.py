@@ -186,10 +186,6 @@ class TritonBackend(AttentionBackend):
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
         return TritonMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
         return head_size in SUPPORTED_HEAD_SIZES
