@@ -76,7 +76,7 @@ class CompileConfig:
     compile_backend: str = "inductor"
     compile_sizes: tuple[int, ...] = ()
     splitting_ops: tuple[str, ...] | None = None
-    passes: tuple[str, ...] = ("noop_elimination",)
+    passes: tuple[str, ...] = ("noop_elimination", "unfuse_residual_addmm")
     cache_dir: str | None = None
     debug_dump_path: str | None = None
     strict: bool = False

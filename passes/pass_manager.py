@@ -63,8 +63,11 @@ class PostGradPassManager(CustomGraphPass):
 def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     """A manager running the passes named ``names`` in order; an unknown name is a ConfigError."""
     from graphattn.passes.noop_elimination import NoOpEliminationPass
+    from graphattn.passes.unfuse_addmm import UnfuseResidualAddmmPass
 
-    known: dict[str, type[GraphPass]] = {NoOpEliminationPass.name: NoOpEliminationPass}
+    known: dict[str, type[GraphPass]] = {
+        p.name: p for p in (NoOpEliminationPass, UnfuseResidualAddmmPass)
+    }
     if isinstance(names, str):
         raise ConfigError(f"passes must be a list of pass names, got the string {names!r}")
     unknown = [n for n in names if n not in known]
@@ -73,4 +76,4 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     return PostGradPassManager([known[n]() for n in names])
 
 
-DEFAULT_PASSES = ("noop_elimination",)
+DEFAULT_PASSES = ("noop_elimination", "unfuse_residual_addmm")
