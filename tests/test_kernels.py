@@ -463,6 +463,72 @@ def test_kv_cache_write_matches_reference(
     assert torch.equal(cache, expected)
 
 
+def decode_with_new_kv(case: PagedCase, plan, *, scale, seed, window=None):
+    """Run ``case`` (decodes) twice from the same cache: write_kv_cache then attention, and
+    attention with ``new_kv`` (the write inside the launch). Returns both (output, caches).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    t_pad, hkv, d = case.query.shape[0], case.key_cache.shape[2], case.query.shape[2]
+    # key and value as strided views of one fused projection, as a model produces them
+    kv = torch.randn(t_pad, 2 * hkv, d, generator=gen).to(case.query.device, case.query.dtype)
+    key, value = kv[:, :hkv], kv[:, hkv:]
+    bs = case.key_cache.shape[1]
+    slots = torch.full((t_pad,), -1, dtype=torch.int64)
+    for i, (computed, new) in enumerate(case.shapes):
+        assert new == 1, "new_kv is for decodes"
+        slots[i] = int(case.block_table[i, computed // bs]) * bs + computed % bs
+    slots = slots.to(case.query.device)
+    results = []
+    for fused in (False, True):
+        caches = (case.key_cache.clone(), case.value_cache.clone())
+        output = torch.full_like(case.query, float("nan"))
+        scratch = SplitScratch.allocate(t_pad, hkv, d, case.query.device)
+        if not fused:
+            write_kv_cache(key, value, *caches, slots)
+        out = unified_attention(
+            case.query, *caches, output, case.block_table, case.query_start_loc, case.seq_lens,
+            plan, scale=scale, sliding_window=window, scratch=scratch,
+            new_kv=(key, value, slots) if fused else None,
+        )  # fmt: skip
+        results.append((out, caches))
+    return results
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_launch_writes_the_new_keys_and_values(num_splits, window):
+    """new_kv: the cache ends exactly as write_kv_cache leaves it, and attention reads the
+    new token (every real row equals the two-launch result), padding included.
+    """
+    shapes = [(0, 1), (15, 1), (16, 1), (40, 1), (7, 1)]
+    case = make_case(
+        shapes, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=3,
+        pad_tokens=2, pad_reqs=2,
+    )  # fmt: skip
+    (ref, ref_caches), (out, caches) = decode_with_new_kv(
+        case, case.plan(num_splits), scale=0.125, seed=4, window=window
+    )
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    assert not torch.equal(ref_caches[0], case.key_cache)  # the write did change the cache
+    real = out[: case.num_tokens]
+    assert not real.isnan().any()
+    assert rel_err(real, ref[: case.num_tokens]) < 1e-6
+
+
+def test_new_kv_is_checked():
+    case = make_case([(3, 1)], num_heads=2, num_kv_heads=2, head_size=64, block_size=16)
+    key = torch.randn(1, 2, 64)
+    args = (case.key_cache, case.value_cache, torch.empty_like(case.query), case.block_table,
+            case.query_start_loc, case.seq_lens, case.plan())  # fmt: skip
+    with pytest.raises(TypeError, match="slot_mapping must have dtype"):
+        unified_attention(case.query, *args, scale=0.1, new_kv=(key, key, torch.zeros(1)))
+    with pytest.raises(ValueError, match="key_cache dim 3"):
+        other = torch.randn(1, 2, 32)
+        unified_attention(
+            case.query, *args, scale=0.1, new_kv=(other, other, torch.zeros(1, dtype=torch.int64))
+        )
+
+
 def test_kv_cache_write_rejects_bad_arguments():
     cache = torch.zeros(2, 4, 16, 2, 64)
     key = torch.randn(3, 2, 64)
@@ -625,6 +691,21 @@ def copy_into(static: _Static, case: PagedCase) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_gpu_decode_launch_writes_the_new_keys_and_values(num_splits):
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(int(c), 1) for c in torch.randint(0, 4096, (64,), generator=gen)]
+    case = _gpu_case(shapes, seed=2, head_size=64, pad_tokens=3, pad_reqs=3)
+    (ref, ref_caches), (out, caches) = decode_with_new_kv(
+        case, case.plan(num_splits), scale=0.125, seed=5
+    )
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    real = out[: case.num_tokens]
+    assert not real.isnan().any()
+    assert rel_err(real, ref[: case.num_tokens]) < 1e-6
+
+
+@pytest.mark.gpu
 def test_gpu_kv_cache_write_matches_reference():
     gen = torch.Generator().manual_seed(4)
     cache = torch.randn(2, 512, 16, 8, 128, generator=gen).to("cuda", torch.bfloat16)
@@ -673,6 +754,7 @@ def compile_for_hopper() -> list[dict]:
         constants = ua.kernel_constants(
             plan, block_size=16, dtype=dtype, device_type="cuda", sliding=sliding, soft_cap=soft_cap
         )
+        constants["WRITE_KV"] = tokens == 64  # decodes write the new keys in the launch
         options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
         kernel = ua._attention_kernel
         src = ASTSource(kernel, _signature(kernel, dtype), constants, _aligned(kernel))
@@ -699,6 +781,8 @@ def _signature(kernel, dtype) -> dict[str, str]:
             sig[name] = "constexpr"
         elif name.startswith("part_"):
             sig[name] = "*fp32"
+        elif name == "slot_ptr":
+            sig[name] = "*i64"
         elif name.endswith("_ptr"):
             sig[name] = "*i32" if name in ints else f"*{element}"
         else:

@@ -72,6 +72,10 @@ class CommonAttentionMetadata:
     positions: torch.Tensor  # [num_input_tokens] int64
     is_prefilling: torch.Tensor  # [num_reqs] bool on the CPU: the request computes > 1 token
     causal: bool = True
+    # Every request has one query token, in this batch and in every batch a launch built
+    # from this metadata will run for: a FULL graph's key fixes it (a graph captured for
+    # mixed batches says False even when its capture batch happened to be all decodes).
+    uniform_decode: bool = False
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

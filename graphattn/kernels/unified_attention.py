@@ -55,13 +55,32 @@ def unified_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     scratch: split_kv.SplitScratch | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached sequence; see the module.
 
     The first ``plan.num_tokens`` rows of ``query`` and ``plan.num_reqs`` requests are read.
     Split-KV (``plan.num_splits`` > 1) needs ``scratch``.
+
+    ``new_kv = (key [T, Hkv, D], value, slot_mapping [T])`` writes the step's keys and values
+    into the cache inside this launch (no separate ``write_kv_cache``). Only for batches in
+    which every request has one query token (decodes): the one program whose keys include a
+    request's last position writes that token's key and value, then reads them back with the
+    rest of its tile.
     """
     _check(query, key_cache, value_cache, output, block_table, query_start_loc, seq_lens, plan)
+    if new_kv is not None:
+        from graphattn.kernels.kv_cache_write import _check as check_write
+
+        key, value, slot_mapping = new_kv
+        check_write(key, value, key_cache, value_cache, slot_mapping)
+        expect_min_dim("key", key, 0, plan.num_tokens, "num_tokens (padded)")
+        stride_kt, stride_kh, stride_vt, stride_vh = (
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1)
+        )  # fmt: skip
+    else:
+        key = value = slot_mapping = query  # unused by the kernel
+        stride_kt = stride_kh = stride_vt = stride_vh = 0
     if plan.num_splits > 1:
         split_kv.check_scratch(scratch, plan, query.device)
         partial_out, partial_lse = scratch.out, scratch.lse
@@ -86,6 +105,9 @@ def unified_attention(
         seq_lens,
         partial_out,
         partial_lse,
+        key,
+        value,
+        slot_mapping,
         plan.num_reqs,
         score_scale,
         cap_scale,
@@ -98,6 +120,11 @@ def unified_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        WRITE_KV=new_kv is not None,
         **constants,
     )
     if plan.num_splits > 1:
@@ -155,6 +182,9 @@ def _attention_kernel(
     seq_lens_ptr,
     part_out_ptr,  # [cap, Hq, S, D] fp32 flat, split-KV only
     part_lse_ptr,  # [cap, Hq, S] fp32 flat, split-KV only
+    new_k_ptr,  # [T, Hkv, D], WRITE_KV only
+    new_v_ptr,
+    slot_ptr,  # [T] slot of each token, -1 = none
     num_reqs,
     score_scale,
     cap_scale,
@@ -167,6 +197,11 @@ def _attention_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    WRITE_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     D_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -227,6 +262,12 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_ch
+    if WRITE_KV:  # decodes: the request's one new token sits at seq_len - 1
+        _write_new_kv(
+            new_k_ptr, new_v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head,
+            kv_head_off, seq_len - 1, lo, hi, dims, dim_ok, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_cb, stride_cs, BLOCK_SIZE,
+        )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, lo, mid, hi, q_pos,
         window, score_scale, cap_scale, stride_cb, stride_cs, dims,
@@ -254,6 +295,26 @@ def _attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=store_mask,
         )
+
+
+@triton.jit
+def _write_new_kv(
+    new_k_ptr, new_v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, token, kv_head, kv_head_off,
+    last, lo, hi, dims, dim_ok, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Store ``token``'s key and value for ``kv_head`` at its slot when this program's key
+    range [lo, hi) holds position ``last`` (one program per request and head does), then a
+    barrier so every thread of the program reads them back from the cache.
+    """
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if (lo <= last) & (last < hi) & (slot >= 0):
+        k = tl.load(new_k_ptr + token.to(tl.int64) * stride_kt + kv_head * stride_kh + dims, dim_ok)
+        v = tl.load(new_v_ptr + token.to(tl.int64) * stride_vt + kv_head * stride_vh + dims, dim_ok)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head_off
+        tl.store(k_cache_ptr + dst + dims, k.to(k_cache_ptr.dtype.element_ty), mask=dim_ok)
+        tl.store(v_cache_ptr + dst + dims, v.to(v_cache_ptr.dtype.element_ty), mask=dim_ok)
+    tl.debug_barrier()
 
 
 @triton.jit

@@ -4,7 +4,8 @@ Full CUDA graphs for any batch (``AttentionCGSupport.ALWAYS``): the launch — w
 grid, tile constants — is a function of the padded token and request counts and static
 configuration only (``graphattn.kernels.attention_plan``); the kernels read every
 per-request length from device tensors. The KV-cache write is a separate op
-(``do_kv_cache_update``). On the CPU it runs under the Triton interpreter
+(``do_kv_cache_update``) except for decode batches (one query token per request), whose
+attention launch writes the new keys and values itself. On the CPU it runs under the Triton interpreter
 (``TRITON_INTERPRET=1``), ranked below TORCH_REF.
 
 The Triton kernel modules are imported when the first builder is made or the first
@@ -31,6 +32,7 @@ from graphattn.attention.backend import (
     AttentionSelectorConfig,
     CommonAttentionMetadata,
 )
+from graphattn.attention.forward_context import get_forward_context
 from graphattn.attention.registry import register_backend
 from graphattn.kernels.attention_plan import MAX_GROUP, choose_num_splits  # no Triton needed
 
@@ -83,7 +85,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             cam.num_input_tokens,
             cam.num_reqs,
             self.num_splits(cam.num_input_tokens, cam.num_reqs),
-            cam.max_query_len == 1,  # the runner's uniform_decode
+            cam.uniform_decode,
             cam.query_start_loc,
             cam.seq_lens,
             cam.block_table_tensor,
@@ -149,6 +151,9 @@ class TritonImpl(AttentionImpl):
             sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap,
             scratch=md.scratch,
+            # decodes: this launch also writes the step's keys and values (the update op
+            # skipped them), one kernel per layer instead of two
+            new_kv=(key, value, md.slot_mapping) if md.uniform_decode else None,
         )
 
     def plan(self, md: TritonMetadata, dtype: torch.dtype, device_type: str):
@@ -166,6 +171,9 @@ class TritonImpl(AttentionImpl):
         )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        metadata = get_forward_context().attn_metadata
+        if metadata is not None and metadata[layer.layer_name].uniform_decode:
+            return  # forward writes decodes' keys and values in its attention launch
         key_cache, value_cache = kv_cache.unbind(0)
         _kernels().kv_cache_write.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
