@@ -33,6 +33,7 @@ from graphattn.errors import (
     UnsupportedModeError,
 )
 from graphattn.report import EngineStats, Report
+from graphattn.sampling import greedy
 
 __version__ = "0.1.0"
 
@@ -62,6 +63,7 @@ __all__ = [
     "Request",
     "UnsupportedModeError",
     "compile",
+    "greedy",
     "models",
     "register_backend",
 ]

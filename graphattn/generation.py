@@ -11,6 +11,7 @@ import numpy as np
 
 from graphattn.batch import Batch
 from graphattn.errors import InvalidInputError
+from graphattn.sampling import greedy
 
 if TYPE_CHECKING:
     from graphattn.engine import CompiledModel
@@ -60,7 +61,7 @@ def generate(
         ]
         next_tokens = []
         if sampling:
-            next_tokens = engine.compute_logits(hidden[ends[sampling]]).argmax(-1).tolist()
+            next_tokens = greedy(engine.compute_logits(hidden[ends[sampling]])).tolist()
         for seq, n in scheduled:
             seq.num_computed += n
         for i, token in zip(sampling, next_tokens):
