@@ -159,10 +159,12 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q, rope, self.head_size)  # [T, Hq*D]
-        k = apply_rotary(k, rope, self.head_size)  # [T, Hkv*D]
-        return self.o_proj(self.attn(q, k, v))
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        # q and k rotated together: one fused kernel under Inductor instead of two
+        qk = apply_rotary(qkv[:, :qk_size], rope, self.head_size)  # [T, (Hq+Hkv)*D]
+        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, qkv[:, qk_size:]))
 
 
 class LlamaMLP(nn.Module):
