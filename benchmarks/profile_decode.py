@@ -2,7 +2,7 @@
 
 Builds the Llama-3.2-1B-shaped engine in FULL_AND_PIECEWISE, prefills ``--context`` random
 tokens per request, then records ``--steps`` decode steps (engine.step + compute_logits +
-argmax) under torch.profiler. Prints per-step wall time (CUDA events), the summed kernel
+graphattn.greedy) under torch.profiler. Prints per-step wall time (CUDA events), the summed kernel
 time, the kernel count, and the kernels that take the most time, grouped by name.
 
     python benchmarks/profile_decode.py --batch 1 --out $OUT/profile.json
@@ -51,7 +51,7 @@ def decode_step(engine, blocks, context: int, rng) -> torch.Tensor:
     table = np.array(blocks, dtype=np.int32)
     batch = ga.Batch.from_arrays(tokens, np.ones(n, np.int32), np.full(n, context, np.int32), table)
     hidden = engine.step(batch)
-    return engine.compute_logits(hidden).argmax(-1)
+    return ga.greedy(engine.compute_logits(hidden))
 
 
 def kernel_table(prof, steps: int) -> tuple[list[dict], float, int]:
@@ -67,6 +67,60 @@ def kernel_table(prof, steps: int) -> tuple[list[dict], float, int]:
     total = sum(r["us_per_step"] for r in rows)
     count = sum(len(v) for v in by_name.values()) / steps
     return rows, total, count
+
+
+def host_profile(engine, blocks, context: int, rng, steps: int) -> dict:
+    """Host microseconds of ``engine.step`` (GPU idle before each: synchronized), then the
+    same steps under cProfile: the functions with the most own time, per step.
+    """
+    import cProfile
+    import pstats
+    import time
+
+    n = len(blocks)
+    table = np.array(blocks, dtype=np.int32)
+    batches = [
+        ga.Batch.from_arrays(
+            rng.integers(1, engine.model.vocab_size, n),
+            np.ones(n, np.int32),
+            np.full(n, context, np.int32),
+            table,
+        )
+        for _ in range(steps)
+    ]
+    times = []
+    for batch in batches:
+        _sync()
+        t = time.perf_counter()
+        engine.step(batch)
+        times.append(time.perf_counter() - t)
+    profiler = cProfile.Profile()
+    for batch in batches:
+        _sync()
+        profiler.enable()
+        engine.step(batch)
+        profiler.disable()
+    _sync()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    rows = [
+        {
+            "function": f"{Path(k[0]).name}:{k[1]}({k[2]})",
+            "calls_per_step": v[1] / steps,
+            "own_us_per_step": 1e6 * v[2] / steps,
+            "cum_us_per_step": 1e6 * v[3] / steps,
+        }
+        for k, v in stats.items()
+    ]
+    rows.sort(key=lambda r: -r["own_us_per_step"])
+    median_us = 1e6 * float(np.median(times))
+    print(f"host: engine.step at {n} requests: {median_us:.1f} us median over {steps} steps")
+    print(f"{'function (cProfile, own time)':<70}{'calls':>7}{'own us':>9}{'cum us':>9}")
+    for r in rows[:25]:
+        print(
+            f"{r['function'][:69]:<70}{r['calls_per_step']:>7.1f}"
+            f"{r['own_us_per_step']:>9.1f}{r['cum_us_per_step']:>9.1f}"
+        )
+    return {"step_us_median": median_us, "functions": rows[:60]}
 
 
 def _timed(fn) -> float:
@@ -109,11 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true", help="a tiny model (a smoke run)")
+    p.add_argument(
+        "--host-steps",
+        type=int,
+        default=0,
+        help="also profile engine.step's host work (cProfile) over this many steps",
+    )
     a = p.parse_args(argv)
     engine, blocks = build(a.batch, a.context, a.tiny)
     rng = np.random.default_rng(1)
     for _ in range(10):
         decode_step(engine, blocks, a.context, rng)
+    host = host_profile(engine, blocks, a.context, rng, a.host_steps) if a.host_steps else None
     times = [_timed(lambda: decode_step(engine, blocks, a.context, rng)) for _ in range(50)]
     with torch.profiler.profile(activities=_activities()) as prof:
         for _ in range(a.steps):
@@ -142,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                     "kernel_ms": kernel_us / 1e3,
                     "kernels_per_step": count,
                     "kernels": rows,
+                    "host": host,
                 },
                 indent=1,
             )

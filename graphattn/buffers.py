@@ -46,9 +46,15 @@ class _Flat:
             self.views[name] = BufferView(self.host, self.device, start, shape)
             start = self.views[name].end
 
+        self._prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def copy_prefix(self, end: int) -> None:
-        if self.device is not self.host:
-            self.device[:end].copy_(self.host[:end], non_blocking=True)
+        if self.device is self.host:
+            return
+        pair = self._prefixes.get(end)
+        if pair is None:  # slicing costs about as much as the copy call: once per length
+            pair = self._prefixes[end] = (self.device[:end], self.host[:end])
+        pair[0].copy_(pair[1], non_blocking=True)
 
 
 class InputBuffers:

@@ -86,7 +86,8 @@ class ModelRunner:
         ]
         self.reorder_threshold = min(thresholds) if thresholds else None
         self.layer_names = list(layers)
-        self._view_cache: dict[tuple[int, int], tuple[dict[str, torch.Tensor], list]] = {}
+        self._arange = np.arange(max(limits.max_num_seqs, limits.max_num_tokens) + 1)
+        self._view_cache: dict[tuple[int, int], tuple[dict[str, Any], list]] = {}
         # Each step's host copies must have left the pinned staging buffers before the
         # next step overwrites them.
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
@@ -112,19 +113,45 @@ class ModelRunner:
         cams = self.common_metadata(plan)
         attn_metadata = self.build_metadata(cams, capturing=capturing)
         shared, _ = self._views(plan.num_reqs_padded, plan.num_input_tokens)
-        slot_mapping, positions = shared["slot_mapping"], shared["positions"]
-        ids = self.buffers.input_ids.gpu[: plan.num_input_tokens]
         with set_forward_context(
             attn_metadata,
             plan.batch_descriptor,
             plan.runtime_mode,
             layers=self.layers,
-            slot_mapping=dict.fromkeys(self.layer_names, slot_mapping),
+            slot_mapping=shared["slot_mapping_per_layer"],
         ):
-            return self.forward(ids, positions)
+            return self.forward(shared["input_ids"], shared["positions"])
 
     def prepare_inputs(self, batch: Batch) -> StepPlan:
         """Reorder decodes first, fill the host buffers, pad, and copy to the device."""
+        if batch.num_tokens == batch.num_reqs:  # every request decodes one token
+            plan = self._fill_decode(batch)
+        else:
+            plan = self._fill_mixed(batch)
+        self._pad(plan)
+        self._copy_to_device(plan)
+        return plan
+
+    def _fill_decode(self, batch: Batch) -> StepPlan:
+        """``prepare_inputs`` for a batch of one-token requests: already in order, each
+        token's position is its request's computed length.
+        """
+        r, b = batch.num_reqs, self.buffers
+        computed = batch.num_computed_tokens
+        b.query_start_loc.np[: r + 1] = self._arange[: r + 1]
+        seq_lens = b.seq_lens.np[:r]
+        np.add(computed, 1, out=seq_lens)
+        b.positions.np[:r] = computed
+        b.input_ids.np[:r] = batch.token_ids
+        block_size = self.limits.block_size
+        blocks = batch.block_table[self._arange[:r], computed // block_size]
+        np.add(blocks * block_size, computed % block_size, out=b.slot_mapping.np[:r])
+        max_seq_len = int(seq_lens.max())
+        self._fill_block_tables(batch.block_table, r, -(-max_seq_len // block_size))
+        b.is_prefilling_np[:r] = False
+        return StepPlan(r, r, 1, max_seq_len, True, False)
+
+    def _fill_mixed(self, batch: Batch) -> StepPlan:
         order = self._decode_first_order(batch.query_lens)
         q = batch.query_lens if order is None else batch.query_lens[order]
         computed = batch.num_computed_tokens if order is None else batch.num_computed_tokens[order]
@@ -154,14 +181,14 @@ class ModelRunner:
         self._fill_block_tables(table, r, -(-max_seq_len // block_size))
         np.greater(q, 1, out=b.is_prefilling_np[:r])
         max_query_len = int(q.max())
-        plan = StepPlan(r, t, max_query_len, max_seq_len, max_query_len == 1, order is not None)
-        self._pad(plan)
-        self._copy_to_device(plan)
-        return plan
+        return StepPlan(r, t, max_query_len, max_seq_len, max_query_len == 1, order is not None)
 
     def common_metadata(self, plan: StepPlan) -> list[CommonAttentionMetadata]:
         """One ``CommonAttentionMetadata`` per KV-cache group, over the padded batch."""
         shared, tables = self._views(plan.num_reqs_padded, plan.num_input_tokens)
+        key = plan.batch_descriptor
+        full = plan.runtime_mode == CUDAGraphMode.FULL and key is not None
+        uniform_decode = key.uniform_decode if full else plan.uniform_decode
         return [
             CommonAttentionMetadata(
                 max_seq_len=plan.max_seq_len,
@@ -170,12 +197,19 @@ class ModelRunner:
                 num_input_tokens=plan.num_input_tokens,
                 max_query_len=plan.max_query_len,
                 block_table_tensor=table,
-                **shared,
+                query_start_loc=shared["query_start_loc"],
+                query_start_loc_cpu=shared["query_start_loc_cpu"],
+                seq_lens=shared["seq_lens"],
+                seq_lens_cpu=shared["seq_lens_cpu"],
+                slot_mapping=shared["slot_mapping"],
+                positions=shared["positions"],
+                is_prefilling=shared["is_prefilling"],
+                uniform_decode=uniform_decode,
             )
             for table in tables
         ]
 
-    def _views(self, rp: int, tp: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    def _views(self, rp: int, tp: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """The buffer slices of a (requests, tokens) size, made once per size: slicing costs
         about a microsecond a tensor, and decode steps repeat a few sizes.
         """
@@ -192,6 +226,10 @@ class ModelRunner:
                 slot_mapping=b.slot_mapping.gpu[:tp],
                 positions=b.positions.gpu[:tp],
                 is_prefilling=b.is_prefilling[:rp],
+                input_ids=b.input_ids.gpu[:tp],
+            )
+            shared["slot_mapping_per_layer"] = dict.fromkeys(
+                self.layer_names, shared["slot_mapping"]
             )
             tables = [
                 b.block_tables[g.blocks_per_kernel_block].gpu[:rp] for g in self.kv_cache_groups

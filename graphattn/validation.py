@@ -40,15 +40,41 @@ def check_batch(batch: Batch, limits: BatchLimits) -> None:
         )
     _check_shapes(batch)
     q, computed = batch.query_lens, batch.num_computed_tokens
+    seq_lens = computed.astype(np.int64) + q
+    needed = -(-seq_lens // limits.block_size)
+    # one reduction per rule on the path every good batch takes; the rules again, one
+    # by one and naming the request, only when one of them fails
+    if (
+        q.min() < 1
+        or computed.min() < 0
+        or seq_lens.max() > limits.max_model_len
+        or (needed > batch.num_block_ids).any()
+    ):
+        _explain_request_error(batch, seq_lens, needed, limits)
+    _check_block_ids(batch, needed, limits.num_blocks)
+    if limits.vocab_size is not None and t:
+        tokens = batch.token_ids
+        if tokens.min() < 0 or tokens.max() >= limits.vocab_size:
+            bad = (tokens < 0) | (tokens >= limits.vocab_size)
+            tok = int(np.argmax(bad))
+            req = int(np.searchsorted(np.cumsum(q), tok, side="right"))
+            raise InvalidBatchError(
+                f"request {req}: token id {tokens[tok]} is outside the vocabulary "
+                f"[0, {limits.vocab_size})"
+            )
+
+
+def _explain_request_error(
+    batch: Batch, seq_lens: np.ndarray, needed: np.ndarray, limits: BatchLimits
+) -> None:
+    q, computed = batch.query_lens, batch.num_computed_tokens
     _first_bad(q < 1, "has no tokens to compute (query length {}); every request needs >= 1", q)
     _first_bad(computed < 0, "has num_computed_tokens {}; expected >= 0", computed)
-    seq_lens = computed.astype(np.int64) + q
     _first_bad(
         seq_lens > limits.max_model_len,
         f"would hold {{}} tokens; max_model_len is {limits.max_model_len}",
         seq_lens,
     )
-    needed = -(-seq_lens // limits.block_size)
     short = needed > batch.num_block_ids
     if short.any():
         i = int(np.argmax(short))
@@ -56,16 +82,6 @@ def check_batch(batch: Batch, limits: BatchLimits) -> None:
             f"request {i} has {batch.num_block_ids[i]} block(s) for {seq_lens[i]} tokens; "
             f"block size {limits.block_size} needs {needed[i]}"
         )
-    _check_block_ids(batch, needed, limits.num_blocks)
-    if limits.vocab_size is not None and t:
-        bad = (batch.token_ids < 0) | (batch.token_ids >= limits.vocab_size)
-        if bad.any():
-            tok = int(np.argmax(bad))
-            req = int(np.searchsorted(np.cumsum(q), tok, side="right"))
-            raise InvalidBatchError(
-                f"request {req}: token id {batch.token_ids[tok]} is outside the vocabulary "
-                f"[0, {limits.vocab_size})"
-            )
 
 
 def _check_shapes(batch: Batch) -> None:
@@ -90,6 +106,8 @@ def _check_shapes(batch: Batch) -> None:
 def _check_block_ids(batch: Batch, needed: np.ndarray, num_blocks: int) -> None:
     width = int(needed.max())
     table = batch.block_table[:, :width]
+    if table.min() >= 0 and table.max() < num_blocks:
+        return  # every entry of the columns in use is valid, declared or not
     used = np.arange(width)[None, :] < batch.num_block_ids[:, None]
     bad = used & ((table < 0) | (table >= num_blocks))
     if bad.any():

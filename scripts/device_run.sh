@@ -24,9 +24,10 @@ for part in "$@"; do
              | tee "$OUT/attention.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     decode) eval "python3 benchmarks/decode.py --out $OUT/decode.json --plot $OUT/decode.png ${GA_DECODE_ARGS:-}" 2>&1 \
              | tee "$OUT/decode.log" | tail -60; rc=${PIPESTATUS[0]} ;;
-    profile) { python3 benchmarks/profile_decode.py --batch 1 --out "$OUT/profile-bs1.json" \
-               && python3 benchmarks/profile_decode.py --batch 32 --out "$OUT/profile-bs32.json"; } \
-             2>&1 | grep -v "^USDT" | tee "$OUT/profile.log" | tail -70; rc=${PIPESTATUS[0]} ;;
+    profile) for b in ${GA_PROFILE_BATCHES:-1 32 256}; do
+               python3 benchmarks/profile_decode.py --batch "$b" --host-steps 200 \
+                 --out "$OUT/profile-bs$b.json" || exit 1
+             done 2>&1 | grep -v "^USDT" | tee "$OUT/profile.log" | tail -120; rc=${PIPESTATUS[0]} ;;
     demo) python3 -m graphattn demo 2>&1 | tee "$OUT/demo.log" | tail -30; rc=${PIPESTATUS[0]} ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac
