@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 
@@ -56,8 +57,9 @@ def trace_model(
     positions: torch.Tensor,
     bytecode_hook: Callable[[types.CodeType, types.CodeType], None] | None = None,
 ) -> Trace:
-    """Trace ``model(input_ids, positions)`` once with the token dimension dynamic; the
-    traced graph runs eagerly once on the given inputs (its output is ``Trace.output``).
+    """Trace ``model(input_ids, positions)`` once with the token dimension dynamic. The
+    traced graph is not run: ``Trace.output`` is an uninitialised tensor of the output's
+    shape (for the example inputs), dtype and device.
     """
     start = time.perf_counter()
     captured: dict[str, Any] = {}
@@ -66,7 +68,9 @@ def trace_model(
         captured["gm"], captured["inputs"] = gm, list(example_inputs)
 
         def run(*args: Any):
-            captured["graph_output"] = gm(*args)
+            # Nothing reads the traced call's values (the step runs the compiled pieces), so
+            # the graph is not run here: outputs of the traced shapes stand in for them.
+            captured["graph_output"] = _placeholder_outputs(gm, args)
             return captured["graph_output"]
 
         return run
@@ -228,6 +232,35 @@ def _unified(gm: fx.GraphModule, inputs, input_ids, positions) -> bool:
     return (
         isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
     )
+
+
+def _placeholder_outputs(gm: fx.GraphModule, args: tuple[Any, ...]) -> list[Any]:
+    """Uninitialised tensors shaped like the graph's outputs for this call's sizes (each
+    symbolic size bound from the arguments), standing in for a run of the graph.
+    """
+    sizes: dict[Any, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, arg in zip(placeholders, args):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            sizes[value.node.expr] = sympy.Integer(int(arg))
+        elif isinstance(value, torch.Tensor):
+            for size, actual in zip(value.shape, arg.shape):
+                if isinstance(size, torch.SymInt):
+                    sizes[size.node.expr] = sympy.Integer(actual)
+    (outputs,) = (n.args[0] for n in gm.graph.nodes if n.op == "output")
+    values = []
+    for node in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+        value = node.meta.get("example_value") if isinstance(node, fx.Node) else node
+        if not isinstance(value, torch.Tensor):
+            values.append(value)
+            continue
+        shape = [
+            int(s.node.expr.xreplace(sizes)) if isinstance(s, torch.SymInt) else int(s)
+            for s in value.shape
+        ]
+        values.append(torch.empty(shape, dtype=value.dtype, device=value.device))
+    return values
 
 
 def _check_single_tensor_output(output: Any, graph_output: Any) -> None:
