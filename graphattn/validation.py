@@ -97,7 +97,7 @@ def _check_shapes(batch: Batch) -> None:
         raise InvalidBatchError(
             f"query_lens sum to {total} but the batch has {batch.num_tokens} token ids"
         )
-    if (batch.num_block_ids > batch.block_table.shape[1]).any():
+    if batch.num_block_ids.max() > batch.block_table.shape[1]:
         raise InvalidBatchError(
             f"num_block_ids exceeds the block table's width {batch.block_table.shape[1]}"
         )
