@@ -34,7 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument(
+        "--tiles",
+        default=";".join(f"16,{n},4,3" for n in TILE_N),
+        help="key-tile configurations 'block_m,tile_n,warps,stages;...' (each with every split)",
+    )
+    p.add_argument("--splits", default=",".join(map(str, SPLITS)))
     a = p.parse_args(argv)
+    tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split(";")]
+    splits = [int(x) for x in a.splits.split(",")]
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -47,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     sms = ab.num_sms(device)
     rows = []
-    for batch in BATCHES:
+    for batch in [int(b) for b in a.batches.split(",")]:
         case = ab.Case("decode", batch, CONTEXT)
         chosen = choose_num_splits(batch, ab.NUM_KV_HEADS, sms)
-        configs = [(16, n, 4, 3, s) for n in TILE_N for s in SPLITS]
+        configs = [(*t, s) for t in tiles for s in splits]
         for row in ab.run_sweep(case, configs, st, gen):
             row["chosen_splits"] = chosen
             rows.append(row)

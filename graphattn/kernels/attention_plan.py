@@ -123,8 +123,9 @@ def choose_tiles(
     if dtype == torch.float32:  # exact fp32 dots run on FMA units: small tiles avoid spills
         return TileConfig(max(16, group_pad), 32, 8, 2)
     wide = _next_power_of_2(head_size) > 128  # twice the registers and shared memory per row
-    if decode_like:
-        return TileConfig(max(16, group_pad), 32 if wide else 64, 4, 3)
+    if decode_like:  # key tiles of 16 KiB (K) where the head allows: fewer, longer loads
+        tile_n = 32 if wide else 128 if head_size <= 64 else 64
+        return TileConfig(max(16, group_pad), tile_n, 4, 3)
     if wide:
         return TileConfig(max(64, group_pad), 64, 8, 2)
     return TileConfig(max(128, group_pad), 64, 8, 3)
