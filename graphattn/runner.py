@@ -37,6 +37,9 @@ class StepPlan:
     runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
     batch_descriptor: Any = None
     fallback: str | None = None  # why a batch that wanted a graph runs without one
+    # (mode, key) whose graph the metadata must agree with, when it is not the runtime
+    # mode's: a capture's eager warm-up runs the kernels the capture will record
+    metadata_as: tuple[CUDAGraphMode, Any] | None = None
 
 
 # (num_tokens, num_reqs, uniform_decode) -> runtime mode, padded key, fallback reason
@@ -151,7 +154,9 @@ class ModelRunner:
         b.input_ids.np[:r] = batch.token_ids
         block_size = self.limits.block_size
         blocks = batch.block_table[self._arange[:r], computed // block_size]
-        np.add(blocks * block_size, computed % block_size, out=b.slot_mapping.np[:r])
+        np.add(
+            blocks.astype(np.int64) * block_size, computed % block_size, out=b.slot_mapping.np[:r]
+        )
         max_seq_len = int(seq_lens.max())
         self._fill_block_tables(batch.block_table, r, -(-max_seq_len // block_size))
         b.is_prefilling_np[:r] = False
@@ -192,9 +197,12 @@ class ModelRunner:
     def common_metadata(self, plan: StepPlan) -> list[CommonAttentionMetadata]:
         """One ``CommonAttentionMetadata`` per KV-cache group, over the padded batch."""
         shared, tables = self._views(plan.num_reqs_padded, plan.num_input_tokens)
-        key = plan.batch_descriptor
-        full = plan.runtime_mode == CUDAGraphMode.FULL and key is not None
+        mode, key = plan.metadata_as or (plan.runtime_mode, plan.batch_descriptor)
+        full = mode == CUDAGraphMode.FULL and key is not None
         uniform_decode = key.uniform_decode if full else plan.uniform_decode
+        # Under PIECEWISE the update op may sit in a captured piece while attention runs
+        # eagerly: a choice between them made at capture would go stale at replay.
+        fuse_kv_update = mode != CUDAGraphMode.PIECEWISE
         return [
             CommonAttentionMetadata(
                 max_seq_len=plan.max_seq_len,
@@ -211,6 +219,7 @@ class ModelRunner:
                 positions=shared["positions"],
                 is_prefilling=shared["is_prefilling"],
                 uniform_decode=uniform_decode,
+                fuse_kv_update=fuse_kv_update,
             )
             for table in tables
         ]
@@ -278,7 +287,10 @@ class ModelRunner:
         for mode, key in keys:
             plan = self._synthetic_plan(mode, key)
             eager = dataclasses.replace(
-                plan, runtime_mode=CUDAGraphMode.NONE, batch_descriptor=None
+                plan,
+                runtime_mode=CUDAGraphMode.NONE,
+                batch_descriptor=None,
+                metadata_as=(mode, key),
             )
             for _ in range(warmups):  # kernels compile and autotune outside the graph
                 self.run(eager)

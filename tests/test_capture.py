@@ -206,3 +206,35 @@ def test_above_largest_size_is_counted_not_printed(model, cache_dir, capsys):
     ref.step(batch), eng.step(batch)
     assert eng.stats.fallbacks["batch above the largest capture size"] == before + 1
     assert "largest" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", [M.PIECEWISE, M.FULL_AND_PIECEWISE], ids=str)
+def test_update_op_inside_pieces_writes_every_step(model, cache_dir, mode):
+    """splitting_ops without the KV-update op put the update inside the captured pieces.
+    Pieces captured on all-decode synthetic batches must still write the cache when a
+    prefill of their padded size replays them, and decode graphs must write too.
+    """
+    ref, _ = _engines(model, cache_dir, "TRITON", M.NONE)
+    eng = ga.compile(
+        copy.deepcopy(model),
+        cudagraph_mode=mode,
+        compile_backend="inductor",
+        attention_backend="TRITON",
+        cudagraph_capture_sizes=SIZES,
+        splitting_ops=("graphattn::unified_attention_with_output",),
+        cache_dir=cache_dir,
+        **LIMITS,
+    )
+    for i, shapes in enumerate(
+        [[(0, 3), (0, 5)], [(3, 1), (5, 1), (40, 1)], [(10, 4), (20, 1), (0, 2)], [(7, 1)] * 8]
+    ):
+        seqs = _seqs(shapes, 100 + i)
+        out_ref, out = _step_both(ref, eng, seqs)
+        assert rel_err(out, out_ref) < 2e-2, shapes
+        slots = _written_slots(seqs)
+        for name, cache in eng.kv_cache.tensors.items():
+            a = cache.flatten(1, 2)[:, slots]
+            b = ref.kv_cache.tensors[name].flatten(1, 2)[:, slots]
+            assert rel_err(a, b) < 2e-2, (shapes, name)
+    assert eng.stats.recompiles == 0 and eng.stats.captures_after_startup == 0
+    assert eng.stats.runtime_modes.get("PIECEWISE", 0) > 0

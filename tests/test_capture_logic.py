@@ -214,3 +214,38 @@ def test_padded_steps_compute_the_real_tokens_and_touch_no_other_slot(padded_eng
     slots_changed = (cache != before).reshape(2, cache.shape[1] * cache.shape[2], -1).any(-1).any(0)
     changed = slots_changed.nonzero().flatten().tolist()
     assert set(changed) <= written  # nothing but the real tokens' slots changed
+
+
+def test_metadata_follows_the_graph_not_the_capture_batch(padded_engine):
+    """What a capture records must hold for every batch replayed through it: a FULL graph
+    for mixed batches says uniform_decode=False even though its synthetic capture batch is
+    all decodes; PIECEWISE never lets attention take over the KV-cache write (the update op
+    may sit in a captured piece); each eager warm-up sees the metadata its capture will.
+    """
+    engine, _, _ = padded_engine
+    runner = engine.runner
+    seen: list[tuple[bool, bool, bool, int]] = []
+
+    def record(plan, *, capturing=False):
+        cam = runner.common_metadata(plan)[0]
+        seen.append((capturing, cam.uniform_decode, cam.fuse_kv_update, cam.max_query_len))
+
+    keys = [
+        (M.FULL, BatchDescriptor(4, 4, False)),
+        (M.FULL, BatchDescriptor(4, 4, True)),
+        (M.PIECEWISE, BatchDescriptor(4)),
+    ]
+    runner.run = record  # no CUDA here: record each run's metadata instead of running
+    try:
+        runner.capture_graphs(keys)
+    finally:
+        del runner.run
+    warmups, captures = seen[0::2], seen[1::2]
+    assert [w[0] for w in warmups] == [False] * 3 and [c[0] for c in captures] == [True] * 3
+    assert [w[1:] for w in warmups] == [c[1:] for c in captures]
+    assert [c[1:3] for c in captures] == [(False, True), (True, True), (True, False)]
+    assert all(c[3] == 1 for c in captures)  # every capture batch really was all decodes
+    # a step's own metadata: a decode batch planned onto a uniform-decode FULL key
+    batch = ga.Batch.from_requests([ga.Request([1], 3, [0]), ga.Request([2], 5, [1])])
+    cam = runner.common_metadata(runner.prepare_inputs(batch))[0]
+    assert cam.uniform_decode and cam.fuse_kv_update

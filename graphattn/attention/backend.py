@@ -76,6 +76,12 @@ class CommonAttentionMetadata:
     # from this metadata will run for: a FULL graph's key fixes it (a graph captured for
     # mixed batches says False even when its capture batch happened to be all decodes).
     uniform_decode: bool = False
+    # A backend may move the step's KV-cache write from do_kv_cache_update into its
+    # attention launch only when this is True: the update op and attention then run in one
+    # CUDA graph (FULL) or both eagerly, so a choice made while capturing cannot go stale.
+    # False under PIECEWISE, where the update op may be captured inside a piece (custom
+    # splitting_ops) while attention runs eagerly between pieces.
+    fuse_kv_update: bool = False
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

@@ -4,7 +4,8 @@ Full CUDA graphs for any batch (``AttentionCGSupport.ALWAYS``): the launch — w
 grid, tile constants — is a function of the padded token and request counts and static
 configuration only (``graphattn.kernels.attention_plan``); the kernels read every
 per-request length from device tensors. The KV-cache write is a separate op
-(``do_kv_cache_update``) except for decode batches (one query token per request), whose
+(``do_kv_cache_update``) except for decode batches (one query token per request) that
+``CommonAttentionMetadata.fuse_kv_update`` allows (FULL graphs and eager steps), whose
 attention launch writes the new keys and values itself. On the CPU it runs under the Triton interpreter
 (``TRITON_INTERPRET=1``), ranked below TORCH_REF.
 
@@ -49,6 +50,7 @@ class TritonMetadata:
     num_reqs: int  # padded
     num_splits: int  # split-KV splits asked for (the impl caps them by its head group)
     uniform_decode: bool  # every request has one query token (part of a graph's key)
+    write_kv_in_attention: bool  # decodes where cam.fuse_kv_update allows: forward writes K/V
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, kernel blocks
@@ -86,6 +88,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             cam.num_reqs,
             self.num_splits(cam.num_input_tokens, cam.num_reqs),
             cam.uniform_decode,
+            cam.uniform_decode and cam.fuse_kv_update,
             cam.query_start_loc,
             cam.seq_lens,
             cam.block_table_tensor,
@@ -153,7 +156,7 @@ class TritonImpl(AttentionImpl):
             scratch=md.scratch,
             # decodes: this launch also writes the step's keys and values (the update op
             # skipped them), one kernel per layer instead of two
-            new_kv=(key, value, md.slot_mapping) if md.uniform_decode else None,
+            new_kv=(key, value, md.slot_mapping) if md.write_kv_in_attention else None,
         )
 
     def plan(self, md: TritonMetadata, dtype: torch.dtype, device_type: str):
@@ -172,7 +175,7 @@ class TritonImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         metadata = get_forward_context().attn_metadata
-        if metadata is not None and metadata[layer.layer_name].uniform_decode:
+        if metadata is not None and metadata[layer.layer_name].write_kv_in_attention:
             return  # forward writes decodes' keys and values in its attention launch
         key_cache, value_cache = kv_cache.unbind(0)
         _kernels().kv_cache_write.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
