@@ -75,7 +75,11 @@ def host_profile(engine, blocks, context: int, rng, steps: int) -> dict:
     """
     import cProfile
     import pstats
-    import time
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.append(root)
+    from benchmarks.decode import host_step_times  # the decode benchmark's host timing
 
     n = len(blocks)
     table = np.array(blocks, dtype=np.int32)
@@ -88,12 +92,7 @@ def host_profile(engine, blocks, context: int, rng, steps: int) -> dict:
         )
         for _ in range(steps)
     ]
-    times = []
-    for batch in batches:
-        _sync()
-        t = time.perf_counter()
-        engine.step(batch)
-        times.append(time.perf_counter() - t)
+    times = host_step_times(engine, batches, "cuda" if torch.cuda.is_available() else "cpu")
     profiler = cProfile.Profile()
     for batch in batches:
         _sync()

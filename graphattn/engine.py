@@ -298,12 +298,16 @@ class CompiledModel:
         )
 
 
+_INFERENCE_MODE_GUARD = getattr(torch._C, "_InferenceMode", None)
+
+
 def _inference_mode() -> Any:
     """``torch.inference_mode()`` without the Python wrapper around it when torch has the
     C++ guard (a microsecond or more of every decode step's host time).
     """
-    guard = getattr(torch._C, "_InferenceMode", None)
-    return guard(True) if guard is not None else torch.inference_mode()
+    if _INFERENCE_MODE_GUARD is not None:
+        return _INFERENCE_MODE_GUARD(True)
+    return torch.inference_mode()
 
 
 def find_attention_layers(model: nn.Module) -> dict[str, Attention]:

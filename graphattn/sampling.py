@@ -9,6 +9,8 @@ maximal index, NaN counting as the maximum, as ``torch.argmax`` does).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from graphattn.errors import InvalidInputError
@@ -34,6 +36,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return (where.gather(-1, chunk) + chunk * width).squeeze(-1)
 
 
+@functools.lru_cache(maxsize=64)
 def num_chunks(vocab: int) -> int:
     """The most equal chunks (at most 128) of at least 256 entries that ``vocab`` splits into."""
     for chunks in range(min(_MAX_CHUNKS, vocab // _MIN_CHUNK), 1, -1):

@@ -34,7 +34,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [>= T] int64, -1 = skip
 ) -> None:
     """Write ``key[t]`` and ``value[t]`` to slot ``slot_mapping[t]`` (cast to the cache dtype)."""
-    _check(key, value, key_cache, value_cache, slot_mapping)
+    check_write_args(key, value, key_cache, value_cache, slot_mapping)
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -97,7 +97,8 @@ def _write_kv_kernel(
     tl.store(value_cache_ptr + dst_offs, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
+def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The arguments of a KV-cache write (here or inside an attention launch), checked."""
     expect_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
     expect_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     expect_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")

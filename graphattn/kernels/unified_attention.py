@@ -36,6 +36,7 @@ from graphattn.kernels.checks import (
     expect_same_strides,
     expect_unit_last_stride,
 )
+from graphattn.kernels.kv_cache_write import check_write_args
 from graphattn.kernels.split_kv import store_partial
 
 LOG2E = math.log2(math.e)
@@ -70,10 +71,8 @@ def unified_attention(
     """
     _check(query, key_cache, value_cache, output, block_table, query_start_loc, seq_lens, plan)
     if new_kv is not None:
-        from graphattn.kernels.kv_cache_write import _check as check_write
-
         key, value, slot_mapping = new_kv
-        check_write(key, value, key_cache, value_cache, slot_mapping)
+        check_write_args(key, value, key_cache, value_cache, slot_mapping)
         expect_min_dim("key", key, 0, plan.num_tokens, "num_tokens (padded)")
         stride_kt, stride_kh, stride_vt, stride_vh = (
             key.stride(0), key.stride(1), value.stride(0), value.stride(1)
