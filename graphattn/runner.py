@@ -153,10 +153,12 @@ class ModelRunner:
         b.positions.np[:r] = computed
         b.input_ids.np[:r] = batch.token_ids
         block_size = self.limits.block_size
-        blocks = batch.block_table[self._arange[:r], computed // block_size]
-        np.add(
-            blocks.astype(np.int64) * block_size, computed % block_size, out=b.slot_mapping.np[:r]
+        block_index, offset = np.divmod(computed, block_size)
+        slots = b.slot_mapping.np[:r]
+        np.multiply(
+            batch.block_table[self._arange[:r], block_index], block_size, out=slots, dtype=np.int64
         )
+        np.add(slots, offset, out=slots)
         max_seq_len = int(seq_lens.max())
         self._fill_block_tables(batch.block_table, r, -(-max_seq_len // block_size))
         b.is_prefilling_np[:r] = False

@@ -39,6 +39,13 @@ def check_batch(batch: Batch, limits: BatchLimits) -> None:
             f"the batch has {t} tokens; max_num_tokens is {limits.max_num_tokens}"
         )
     _check_shapes(batch)
+    if t == r and _is_decode_layout(batch):
+        _check_decode(batch, limits)
+    else:
+        _check_general(batch, limits)
+
+
+def _check_general(batch: Batch, limits: BatchLimits) -> None:
     q, computed = batch.query_lens, batch.num_computed_tokens
     seq_lens = computed.astype(np.int64) + q
     needed = -(-seq_lens // limits.block_size)
@@ -51,17 +58,55 @@ def check_batch(batch: Batch, limits: BatchLimits) -> None:
         or (needed > batch.num_block_ids).any()
     ):
         _explain_request_error(batch, seq_lens, needed, limits)
-    _check_block_ids(batch, needed, limits.num_blocks)
-    if limits.vocab_size is not None and t:
-        tokens = batch.token_ids
-        if tokens.min() < 0 or tokens.max() >= limits.vocab_size:
-            bad = (tokens < 0) | (tokens >= limits.vocab_size)
-            tok = int(np.argmax(bad))
-            req = int(np.searchsorted(np.cumsum(q), tok, side="right"))
-            raise InvalidBatchError(
-                f"request {req}: token id {tokens[tok]} is outside the vocabulary "
-                f"[0, {limits.vocab_size})"
-            )
+    _check_block_ids(batch, int(needed.max()), limits.num_blocks)
+    tokens = batch.token_ids
+    if limits.vocab_size is not None and tokens.size and not _in_range(tokens, limits.vocab_size):
+        _explain_token_error(batch, limits.vocab_size)
+
+
+def _is_decode_layout(batch: Batch) -> bool:
+    """The arrays have the dtypes ``Batch.from_arrays`` gives (the decode checks read them
+    as unsigned)."""
+    return (
+        batch.query_lens.dtype == np.int32
+        and batch.num_computed_tokens.dtype == np.int32
+        and batch.block_table.dtype == np.int32
+        and batch.token_ids.dtype == np.int64
+    )
+
+
+def _check_decode(batch: Batch, limits: BatchLimits) -> None:
+    """``_check_general`` for a batch of one-token requests, in fewer numpy calls: a range
+    check ``0 <= x < n`` is one maximum of ``x`` read as unsigned (negatives become huge).
+    On any failure the general checks run and name the request.
+    """
+    q, computed = batch.query_lens, batch.num_computed_tokens
+    last = int(_umax(computed))  # the largest position written; every query length is 1
+    if (
+        q.min() < 1  # with sum(q) == num_reqs (checked) every query length is then 1
+        or last >= limits.max_model_len
+        or (computed // limits.block_size >= batch.num_block_ids).any()
+    ):
+        _check_general(batch, limits)
+        return
+    _check_block_ids(batch, last // limits.block_size + 1, limits.num_blocks)
+    if limits.vocab_size is not None and _umax(batch.token_ids) >= limits.vocab_size:
+        _explain_token_error(batch, limits.vocab_size)
+
+
+def _umax(values: np.ndarray) -> np.unsignedinteger:
+    unsigned = np.uint32 if values.dtype == np.int32 else np.uint64
+    return np.maximum.reduce(values.view(unsigned), axis=None)
+
+
+def _explain_token_error(batch: Batch, vocab_size: int) -> None:
+    tokens = batch.token_ids
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    tok = int(np.argmax(bad))
+    req = int(np.searchsorted(np.cumsum(batch.query_lens), tok, side="right"))
+    raise InvalidBatchError(
+        f"request {req}: token id {tokens[tok]} is outside the vocabulary [0, {vocab_size})"
+    )
 
 
 def _explain_request_error(
@@ -103,10 +148,11 @@ def _check_shapes(batch: Batch) -> None:
         )
 
 
-def _check_block_ids(batch: Batch, needed: np.ndarray, num_blocks: int) -> None:
-    width = int(needed.max())
+def _check_block_ids(batch: Batch, width: int, num_blocks: int) -> None:
+    """Every block id a request uses (its first ``num_block_ids``, within the first
+    ``width`` columns) is in the cache."""
     table = batch.block_table[:, :width]
-    if table.min() >= 0 and table.max() < num_blocks:
+    if table.size == 0 or _in_range(table, num_blocks):
         return  # every entry of the columns in use is valid, declared or not
     used = np.arange(width)[None, :] < batch.num_block_ids[:, None]
     bad = used & ((table < 0) | (table >= num_blocks))
@@ -121,3 +167,9 @@ def _first_bad(mask: np.ndarray, message: str, values: np.ndarray) -> None:
     if mask.any():
         i = int(np.argmax(mask))
         raise InvalidBatchError(f"request {i} " + message.format(values[i]))
+
+
+def _in_range(values: np.ndarray, bound: int) -> bool:
+    if values.dtype in (np.int32, np.int64):
+        return bool(_umax(values) < bound)
+    return bool(values.min() >= 0 and values.max() < bound)

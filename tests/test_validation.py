@@ -1,0 +1,78 @@
+"""check_batch's decode fast path agrees with the general checks on every batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphattn as ga
+from graphattn.validation import BatchLimits, _check_decode, _check_general, check_batch
+
+LIMITS = BatchLimits(
+    max_num_seqs=8, max_num_tokens=8, max_model_len=64, block_size=16, num_blocks=10, vocab_size=50
+)
+
+
+def _outcome(check, batch: ga.Batch) -> str:
+    try:
+        check(batch, LIMITS)
+    except ga.InvalidBatchError as e:
+        return str(e)
+    return "ok"
+
+
+@st.composite
+def decode_batches(draw):
+    """One-token requests whose values stray just outside every limit now and then."""
+    r = draw(st.integers(1, 6))
+    width = draw(st.integers(1, 5))
+
+    def mostly(good, any_value, n):  # about three draws in four are good
+        value = st.one_of(good, good, good, any_value)
+        return draw(st.lists(value, min_size=n, max_size=n))
+
+    computed = np.array(
+        mostly(st.integers(0, 16 * width - 1), st.integers(-2, 70), r), dtype=np.int32
+    )
+    table = np.array(mostly(st.integers(0, 9), st.integers(-1, 11), r * width), np.int32)
+    num_block_ids = np.array(mostly(st.just(width), st.integers(0, width), r), np.int32)
+    tokens = np.array(mostly(st.integers(0, 49), st.integers(-1, 51), r), np.int64)
+    table = table.reshape(r, width)
+    return ga.Batch.from_arrays(tokens, np.ones(r, np.int32), computed, table, num_block_ids)
+
+
+@settings(max_examples=400, deadline=None)
+@given(decode_batches())
+def test_decode_checks_match_the_general_checks(batch):
+    assert _outcome(_check_decode, batch) == _outcome(_check_general, batch)
+
+
+def _decode(computed, table, tokens=None, num_block_ids=None):
+    r = len(computed)
+    tokens = np.arange(r) if tokens is None else tokens
+    return ga.Batch.from_arrays(tokens, np.ones(r, np.int32), computed, table, num_block_ids)
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        (_decode([3, 70], [[0, 1], [2, 3]]), "request 1 would hold 71 tokens; max_model_len is 64"),
+        (_decode([3, -1], [[0], [2]]), "request 1 has num_computed_tokens -1"),
+        (_decode([3, 16], [[0, 1], [2, 3]], num_block_ids=[2, 1]), "request 1 has 1 block"),
+        (_decode([3, 20], [[0, 1], [2, 10]]), r"request 1: block id 10 \(entry 1\)"),
+        (_decode([3, 20], [[-1, 1], [2, 3]]), r"request 0: block id -1 \(entry 0\)"),
+        (_decode([3, 4], [[0], [1]], tokens=[1, 50]), "request 1: token id 50"),
+        (_decode([3, 4], [[0], [1]], tokens=[-3, 1]), "request 0: token id -3"),
+    ],
+)
+def test_bad_decode_batches_name_the_request(batch, message):
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        check_batch(batch, LIMITS)
+
+
+def test_unused_block_ids_may_be_anything():
+    # request 0 needs one block; its second entry is past num_block_ids and never read
+    check_batch(_decode([3, 20], [[0, -1], [2, 3]], num_block_ids=[1, 2]), LIMITS)
+    check_batch(_decode([3, 20], [[0, 99], [2, 3]], num_block_ids=[1, 2]), LIMITS)
