@@ -52,7 +52,9 @@ class CompileConfig:
         cudagraph_mode: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE.
         cudagraph_capture_sizes: batch sizes (tokens) to capture; None takes the default list.
         compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace).
-        compile_sizes: token counts that also get a specialised Inductor build.
+        compile_sizes: token counts that also get a specialised Inductor build; None takes
+            (1,) on CUDA with the inductor backend and the single_row_gemv pass (the
+            one-token build runs its linear layers as the Triton GEMV), () otherwise.
         splitting_ops: op names to split the traced graph at; None takes the attention ops.
         passes: post-grad passes Inductor runs on every piece (by name).
         cache_dir: compile cache folder; None takes ``$GRAPHATTN_CACHE_DIR`` or the user cache.
@@ -74,9 +76,9 @@ class CompileConfig:
     cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     compile_backend: str = "inductor"
-    compile_sizes: tuple[int, ...] = ()
+    compile_sizes: tuple[int, ...] | None = None
     splitting_ops: tuple[str, ...] | None = None
-    passes: tuple[str, ...] = ("noop_elimination", "unfuse_residual_addmm")
+    passes: tuple[str, ...] = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")
     cache_dir: str | None = None
     debug_dump_path: str | None = None
     strict: bool = False
@@ -101,7 +103,8 @@ class CompileConfig:
             raise ConfigError(
                 f"compile_backend must be one of {COMPILE_BACKENDS}, got {self.compile_backend!r}"
             )
-        self._set("compile_sizes", _positive_sizes(self.compile_sizes, "compile_sizes"))
+        if self.compile_sizes is not None:
+            self._set("compile_sizes", _positive_sizes(self.compile_sizes, "compile_sizes"))
         if self.cudagraph_capture_sizes is not None:
             sizes = _positive_sizes(self.cudagraph_capture_sizes, "cudagraph_capture_sizes")
             self._set("cudagraph_capture_sizes", sizes)
@@ -124,6 +127,13 @@ class CompileConfig:
     def max_blocks_per_seq(self) -> int:
         """Width of a request's block table: enough blocks for ``max_model_len`` tokens."""
         return -(-self.max_model_len // self.block_size)
+
+    def resolved_compile_sizes(self, device: torch.device) -> tuple[int, ...]:
+        """``compile_sizes``, or the default for ``device`` when it is None."""
+        if self.compile_sizes is not None:
+            return self.compile_sizes
+        gemv = self.compile_backend == "inductor" and "single_row_gemv" in self.passes
+        return (1,) if gemv and device.type == "cuda" else ()
 
     def replace(self, **changes: Any) -> CompileConfig:
         """A copy with ``changes`` applied and validated again."""

@@ -210,7 +210,7 @@ class CompiledModel:
         options = CompileOptions(
             splitting_ops=c.splitting_ops,
             compile_backend=c.compile_backend,
-            compile_sizes=c.compile_sizes,
+            compile_sizes=c.resolved_compile_sizes(self.device),
             cache_dir=c.cache_dir,
             debug_dump_path=c.debug_dump_path,
             strict=c.strict or c.debug,
@@ -236,7 +236,7 @@ class CompiledModel:
             "backends": {n: b.backend.full_cls_name() for n, b in self.bound.items()},
             "splitting_ops": list(c.splitting_ops or ()),
             "compile_backend": c.compile_backend,
-            "compile_sizes": list(c.compile_sizes),
+            "compile_sizes": list(c.resolved_compile_sizes(self.device)),
             "passes": list(c.passes),
             "model": type(self.model).__qualname__,
         }

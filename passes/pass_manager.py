@@ -63,10 +63,11 @@ class PostGradPassManager(CustomGraphPass):
 def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     """A manager running the passes named ``names`` in order; an unknown name is a ConfigError."""
     from graphattn.passes.noop_elimination import NoOpEliminationPass
+    from graphattn.passes.single_row_gemv import SingleRowGemvPass
     from graphattn.passes.unfuse_addmm import UnfuseResidualAddmmPass
 
     known: dict[str, type[GraphPass]] = {
-        p.name: p for p in (NoOpEliminationPass, UnfuseResidualAddmmPass)
+        p.name: p for p in (NoOpEliminationPass, UnfuseResidualAddmmPass, SingleRowGemvPass)
     }
     if isinstance(names, str):
         raise ConfigError(f"passes must be a list of pass names, got the string {names!r}")
@@ -76,4 +77,5 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     return PostGradPassManager([known[n]() for n in names])
 
 
-DEFAULT_PASSES = ("noop_elimination", "unfuse_residual_addmm")
+# single_row_gemv after unfuse_residual_addmm, which turns addmm back into the mm it matches
+DEFAULT_PASSES = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")

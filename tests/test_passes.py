@@ -377,7 +377,11 @@ def test_factors_are_written_next_to_the_entry(toy):
     assert factors["engine"] == {"test": "toy"}
     assert factors["torch"] == torch.__version__
     assert any(name.startswith("test_passes.py:") for name in factors["model_sources"])
-    assert factors["compiler"]["passes"] == ["noop_elimination", "unfuse_residual_addmm"]
+    assert factors["compiler"]["passes"] == [
+        "noop_elimination",
+        "unfuse_residual_addmm",
+        "single_row_gemv",
+    ]
 
 
 def test_corrupt_and_half_written_entries_are_compiled_again(toy, cache_dir, tmp_path, caplog):
