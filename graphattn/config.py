@@ -53,8 +53,9 @@ class CompileConfig:
         cudagraph_capture_sizes: batch sizes (tokens) to capture; None takes the default list.
         compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace).
         compile_sizes: token counts that also get a specialised Inductor build; None takes
-            (1,) on CUDA with the inductor backend and the single_row_gemv pass (the
-            one-token build runs its linear layers as the Triton GEMV), () otherwise.
+            (1,) on CUDA with the inductor backend and a GEMV pass (single_row_gemv or
+            prologue_gemv: the one-token build runs its linear layers as Triton GEMVs),
+            () otherwise.
         splitting_ops: op names to split the traced graph at; None takes the attention ops.
         passes: post-grad passes Inductor runs on every piece (by name).
         cache_dir: compile cache folder; None takes ``$GRAPHATTN_CACHE_DIR`` or the user cache.
@@ -78,7 +79,12 @@ class CompileConfig:
     compile_backend: str = "inductor"
     compile_sizes: tuple[int, ...] | None = None
     splitting_ops: tuple[str, ...] | None = None
-    passes: tuple[str, ...] = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")
+    passes: tuple[str, ...] = (
+        "noop_elimination",
+        "unfuse_residual_addmm",
+        "prologue_gemv",
+        "single_row_gemv",
+    )
     cache_dir: str | None = None
     debug_dump_path: str | None = None
     strict: bool = False
@@ -132,7 +138,8 @@ class CompileConfig:
         """``compile_sizes``, or the default for ``device`` when it is None."""
         if self.compile_sizes is not None:
             return self.compile_sizes
-        gemv = self.compile_backend == "inductor" and "single_row_gemv" in self.passes
+        gemv_passes = {"single_row_gemv", "prologue_gemv"} & set(self.passes)
+        gemv = self.compile_backend == "inductor" and bool(gemv_passes)
         return (1,) if gemv and device.type == "cuda" else ()
 
     def replace(self, **changes: Any) -> CompileConfig:

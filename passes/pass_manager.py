@@ -63,11 +63,13 @@ class PostGradPassManager(CustomGraphPass):
 def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     """A manager running the passes named ``names`` in order; an unknown name is a ConfigError."""
     from graphattn.passes.noop_elimination import NoOpEliminationPass
+    from graphattn.passes.prologue_gemv import PrologueGemvPass
     from graphattn.passes.single_row_gemv import SingleRowGemvPass
     from graphattn.passes.unfuse_addmm import UnfuseResidualAddmmPass
 
     known: dict[str, type[GraphPass]] = {
-        p.name: p for p in (NoOpEliminationPass, UnfuseResidualAddmmPass, SingleRowGemvPass)
+        p.name: p
+        for p in (NoOpEliminationPass, UnfuseResidualAddmmPass, PrologueGemvPass, SingleRowGemvPass)
     }
     if isinstance(names, str):
         raise ConfigError(f"passes must be a list of pass names, got the string {names!r}")
@@ -77,5 +79,11 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     return PostGradPassManager([known[n]() for n in names])
 
 
-# single_row_gemv after unfuse_residual_addmm, which turns addmm back into the mm it matches
-DEFAULT_PASSES = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")
+# The GEMV passes after unfuse_residual_addmm, which turns addmm back into the mm they match;
+# prologue_gemv before single_row_gemv, which takes the linear layers it leaves.
+DEFAULT_PASSES = (
+    "noop_elimination",
+    "unfuse_residual_addmm",
+    "prologue_gemv",
+    "single_row_gemv",
+)

@@ -12,6 +12,9 @@ other sizes keep cuBLAS and no step pays a Python op call per layer.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import sys
 from typing import ClassVar
 
 import torch
@@ -22,6 +25,9 @@ from graphattn.passes.pass_manager import GraphPass
 
 aten = torch.ops.aten
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # the dtypes the sweep measured
+# Devices whose one-row linears are rewritten. Tests add "cpu" to run the kernels under the
+# Triton interpreter; it is part of the passes' uuid, so compiled code never mixes the two.
+GEMV_DEVICES = ("cuda",)
 
 
 @torch.library.custom_op("graphattn::gemv", mutates_args=())
@@ -45,6 +51,9 @@ class SingleRowGemvPass(GraphPass):
 
     name: ClassVar[str] = "single_row_gemv"
 
+    def uuid(self) -> str:
+        return module_uuid(self.name, __name__)
+
     def __call__(self, graph: fx.Graph) -> int:
         changed = 0
         for node in list(graph.nodes):
@@ -59,6 +68,13 @@ class SingleRowGemvPass(GraphPass):
             graph.erase_node(node)
             changed += 1
         return changed
+
+
+def module_uuid(name: str, module: str) -> str:
+    """A pass's uuid from its whole module's source (the matching lives in module functions)
+    and the devices it rewrites for."""
+    source = inspect.getsource(sys.modules[module])
+    return hashlib.sha256(f"{name}\n{GEMV_DEVICES}\n{source}".encode()).hexdigest()
 
 
 def single_row_linear_weight(node: fx.Node) -> fx.Node | None:
@@ -81,7 +97,7 @@ def single_row_linear_weight(node: fx.Node) -> fx.Node | None:
         return None
     if xv.dim() != 2 or wv.dim() != 2 or not statically_known_true(xv.shape[0] == 1):
         return None
-    if xv.device.type != "cuda" or wv.device != xv.device:
+    if xv.device.type not in GEMV_DEVICES or wv.device != xv.device:
         return None
     if xv.dtype not in GEMV_DTYPES or wv.dtype != xv.dtype:
         return None

@@ -78,6 +78,7 @@ def test_compile_sizes_default_to_one_token_on_cuda_with_the_pass():
     assert config.resolved_compile_sizes(cuda) == (1,)
     assert config.resolved_compile_sizes(cpu) == ()
     assert config.replace(passes=("noop_elimination",)).resolved_compile_sizes(cuda) == ()
+    assert config.replace(passes=("prologue_gemv",)).resolved_compile_sizes(cuda) == (1,)
     assert config.replace(compile_backend="eager").resolved_compile_sizes(cuda) == ()
     assert config.replace(compile_sizes=(4, 2)).resolved_compile_sizes(cuda) == (4, 2)
     assert config.replace(compile_sizes=()).resolved_compile_sizes(cuda) == ()
@@ -119,7 +120,8 @@ def test_engine_one_token_build_runs_the_gemv_with_cublas_tokens(monkeypatch, tm
         cudagraph_capture_sizes=(1, 2, 4),
         cache_dir=str(tmp_path),
     )
-    with_gemv = ga.compile(model, **common)
+    passes = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")
+    with_gemv = ga.compile(model, passes=passes, **common)
     assert with_gemv.report.compile["compile_sizes"] == [1]
     # qkv [(4 + 2 * 2) * 64, 256], o [256, 256], gate_up [1024, 256], down [256, 512]
     assert seen == {(1, 512, 256), (1, 256, 256), (1, 1024, 256), (1, 256, 512)}

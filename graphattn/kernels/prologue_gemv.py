@@ -1,0 +1,183 @@
+"""One-row GEMV with its input's last elementwise step computed in the prologue (Triton).
+
+Reference: the unfused ops in the graph's order (``rms_norm_gemv_ref``; tests/test_prologue_gemv.py).
+
+A one-token decode step spends a kernel launch on each small op between two linear layers:
+the residual add with the RMSNorm that follows it, and the SiLU-and-multiply of the MLP.
+Each of these kernels does ~2 us of latency and almost no work, and the GEMV after it reads
+the result right back. Here the GEMV computes its own input from the op's inputs:
+
+- ``rms_norm_gemv(x, w, norm_w, eps, residual)``: ``h = x + residual`` (rounded to x's dtype,
+  written once to ``h`` for the next residual), ``n = h * rsqrt(mean(h^2) + eps) * norm_w``
+  (fp32, rounded to x's dtype), ``out = n @ w.T``. Every program first sums ``h^2`` over the
+  whole row (K elements, from L2 after the first program), then streams its weight rows.
+- ``silu_mul_gemv(gate_up, w)``: ``s = silu(gate) * up`` (each rounded like the graph: SiLU
+  in fp32 then to x's dtype, the product in x's dtype) over ``gate_up = [gate | up]``, then
+  ``out = s @ w.T``.
+
+The roundings follow the post-grad graphs ``passes/prologue_gemv.py`` rewrites, so a fused
+step differs from the unfused one only by summation order. Weight tiles are streamed as in
+``gemv.py`` (``block_n`` rows per program, K in ``block_k`` tiles, fp32 products summed once
+after the loop).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphattn.kernels.checks import (
+    expect_dim,
+    expect_dtype,
+    expect_ndim,
+    expect_same_device,
+    expect_unit_last_stride,
+)
+from graphattn.kernels.gemv import choose_gemv_config
+
+PROLOGUE_DTYPES = (torch.bfloat16, torch.float16)
+RMS_NORM, SILU_MUL = 0, 1
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,  # [1, K]
+    weight: torch.Tensor,  # [N, K] contiguous
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [1, K]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) @ weight.T, x + residual)``; see the module. Without a
+    residual the second result is ``x`` itself."""
+    _check_row("x", x, weight, weight.shape[1])
+    expect_ndim("norm_weight", norm_weight, 1, "[K]")
+    expect_dim("norm_weight", norm_weight, 0, x.shape[1], "K")
+    expect_same_device({"x": x, "weight": weight, "norm_weight": norm_weight})
+    if residual is not None:
+        _check_row("residual", residual, weight, x.shape[1])
+        expect_same_device({"x": x, "residual": residual})
+        h = torch.empty_like(x)
+    else:
+        residual = h = x  # unused by the kernel
+    out = _launch(x, residual, h, norm_weight, weight, float(eps), RMS_NORM, residual is not h)
+    return out, h
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T`` for ``gate_up = [gate | up]`` of ``[1, 2K]``."""
+    _check_row("gate_up", gate_up, weight, 2 * weight.shape[1])
+    expect_same_device({"gate_up": gate_up, "weight": weight})
+    return _launch(gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False)
+
+
+def _launch(x, residual, h, norm_weight, weight, eps, prologue, has_residual) -> torch.Tensor:
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    config = choose_gemv_config(1, n, k, 1)  # the one-row configs do not depend on SMs
+    _prologue_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x,
+        residual,
+        h,
+        norm_weight,
+        weight,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=has_residual,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        STAGES=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def _check_row(name: str, t: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+    expect_ndim(name, t, 2, "[1, K]")
+    expect_dim(name, t, 0, 1, "rows")
+    expect_dim(name, t, 1, k, "K")
+    expect_unit_last_stride(name, t)
+    expect_dtype(name, t, PROLOGUE_DTYPES)
+    expect_dtype("weight", weight, (t.dtype,))
+    expect_ndim("weight", weight, 2, "[N, K]")
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got strides {list(weight.stride())}")
+
+
+@triton.jit
+def _prologue_gemv_kernel(
+    x_ptr,  # [K] (RMS_NORM) or [2K] (SILU_MUL: gate then up)
+    res_ptr,  # [K], HAS_RESIDUAL only
+    h_ptr,  # [K] output x + residual, HAS_RESIDUAL only
+    norm_w_ptr,  # [K], RMS_NORM only
+    w_ptr,  # [N, K]
+    out_ptr,  # [N]
+    N,
+    K,
+    stride_wn,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    cols = tl.arange(0, BLOCK_K)  # [BK]
+    w_rows = tl.minimum(rows, N - 1).to(tl.int64) * stride_wn  # clamped: read, never stored
+    dtype = out_ptr.dtype.element_ty
+    rstd = 0.0
+    if PROLOGUE == 0:  # RMS_NORM: the row's mean square first (program 0 also writes h)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            offs = k + cols
+            ok = offs < K
+            h = _residual_sum(x_ptr, res_ptr, offs, ok, HAS_RESIDUAL, dtype)
+            if HAS_RESIDUAL:  # noqa: SIM102 (constexpr branch around a runtime one)
+                if pid == 0:
+                    tl.store(h_ptr + offs, h, mask=ok)
+            hf = h.to(tl.float32)
+            sq += hf * hf
+        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs = k + cols
+        ok = offs < K
+        if PROLOGUE == 0:
+            h = _residual_sum(x_ptr, res_ptr, offs, ok, HAS_RESIDUAL, dtype).to(tl.float32)
+            nw = tl.load(norm_w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            x = (h * rstd * nw).to(dtype)
+        else:  # SILU_MUL
+            gate = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + offs, mask=ok, other=0.0)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+            x = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+        w = tl.load(w_ptr + w_rows[:, None] + offs[None, :], mask=ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(dtype), mask=rows < N)
+
+
+@triton.jit
+def _residual_sum(x_ptr, res_ptr, offs, ok, HAS_RESIDUAL: tl.constexpr, dtype: tl.constexpr):
+    """x (+ residual, summed in fp32 and rounded to the activation dtype like the graph's add)."""
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    return x
+
+
+# -- references ---------------------------------------------------------------------------
+
+
+def rms_norm_gemv_ref(x, weight, norm_weight, eps, residual=None):
+    """The unfused ops in the graph's order and dtypes."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()).to(x.dtype)
+    return (n.float() @ weight.float().T).to(x.dtype), h

@@ -1,0 +1,307 @@
+"""Fold the op before a one-row linear layer into its GEMV: residual add + RMSNorm, and
+SiLU-and-multiply (``graphattn/kernels/prologue_gemv.py``).
+
+In a one-token build (see ``single_row_gemv.py``) each of these ops is a kernel launch of
+~2 us that does almost nothing, between two GEMVs. The pass matches them in the post-grad
+graph, in the forms a Llama-style model's RMSNorm and MLP decompose to:
+
+    h = add(a, b)                                 # the residual stream, optional
+    hf = convert(h, f32)
+    n = mul(hf, rsqrt(add(mean(pow(hf, 2), [-1], keepdim), eps)))
+    x = convert(mul(n, convert(norm_weight, f32)), dtype)     -> mm(x, permute(W))
+
+    g, u = split(gate_up, I, -1)
+    x = mul(convert(silu(convert(g, f32)), dtype), u)         -> mm(x, permute(W))
+
+(``silu`` as ``aten.silu`` or as ``div(g, add(exp(neg(g)), 1))``; products in either
+order) and replaces the chain and the ``mm`` with one op. The residual sum ``h`` becomes the
+op's second output for the rest of the graph. A chain whose intermediate values have other
+users is left alone, as is any ``mm`` ``single_row_gemv`` would not take.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import ClassVar
+
+import torch
+from torch import fx
+
+from graphattn.passes.pass_manager import GraphPass
+from graphattn.passes.single_row_gemv import module_uuid, single_row_linear_weight
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+@torch.library.custom_op("graphattn::rms_norm_gemv", mutates_args=())
+def rms_norm_gemv(
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``rms_norm(x) @ weight.T`` for one row."""
+    from graphattn.kernels.prologue_gemv import rms_norm_gemv as launch
+
+    return launch(x, weight, norm_weight, eps)[0]
+
+
+@rms_norm_gemv.register_fake
+def _rms_norm_gemv_fake(x, weight, norm_weight, eps):
+    return x.new_empty((1, weight.shape[0]))
+
+
+@torch.library.custom_op("graphattn::add_rms_norm_gemv", mutates_args=())
+def add_rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) @ weight.T, x + residual)`` for one row."""
+    from graphattn.kernels.prologue_gemv import rms_norm_gemv as launch
+
+    return launch(x, weight, norm_weight, eps, residual)
+
+
+@add_rms_norm_gemv.register_fake
+def _add_rms_norm_gemv_fake(x, residual, weight, norm_weight, eps):
+    return x.new_empty((1, weight.shape[0])), torch.empty_like(x)
+
+
+@torch.library.custom_op("graphattn::silu_mul_gemv", mutates_args=())
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T`` for one row ``[gate | up]``."""
+    from graphattn.kernels.prologue_gemv import silu_mul_gemv as launch
+
+    return launch(gate_up, weight)
+
+
+@silu_mul_gemv.register_fake
+def _silu_mul_gemv_fake(gate_up, weight):
+    return gate_up.new_empty((1, weight.shape[0]))
+
+
+class PrologueGemvPass(GraphPass):
+    """Rewrites add + RMSNorm + mm and SiLU-mul + mm of one row into prologue GEMVs."""
+
+    name: ClassVar[str] = "prologue_gemv"
+
+    def uuid(self) -> str:
+        return module_uuid(self.name, __name__)
+
+    def __call__(self, graph: fx.Graph) -> int:
+        changed = 0
+        for node in list(graph.nodes):
+            weight = single_row_linear_weight(node)
+            if weight is None:
+                continue
+            x = node.args[0]
+            rewritten = _fold_silu_mul(graph, node, x, weight) or _fold_rms_norm(
+                graph, node, x, weight
+            )
+            changed += bool(rewritten)
+        return changed
+
+
+def _fold_rms_norm(graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) -> bool:
+    match = match_rms_norm(x)
+    if match is None:
+        return False
+    h, norm_weight, eps, chain = match
+    residual_add = _residual_add(h)
+    # the fused call goes right after h (so every user of h can read its second output),
+    # where the weights must already exist: parameters, as graph inputs or attributes
+    inputs_first = all(n.op in ("placeholder", "get_attr") for n in (weight, norm_weight))
+    if residual_add is not None and inputs_first:
+        a, b = residual_add
+        with graph.inserting_after(h):
+            call = graph.call_function(
+                torch.ops.graphattn.add_rms_norm_gemv.default, (a, b, weight, norm_weight, eps)
+            )
+        with graph.inserting_after(call):
+            out = graph.call_function(operator.getitem, (call, 0))
+        with graph.inserting_after(out):
+            total = graph.call_function(operator.getitem, (call, 1))
+        vals = (a.meta["val"], b.meta["val"], weight.meta["val"], norm_weight.meta["val"])
+        call.meta["val"] = _add_rms_norm_gemv_fake(*vals, eps)
+        out.meta["val"], total.meta["val"] = call.meta["val"]
+        mm.replace_all_uses_with(out)
+        h.replace_all_uses_with(total)
+        chain = [mm, *chain, h]
+    else:
+        with graph.inserting_before(mm):
+            out = graph.call_function(
+                torch.ops.graphattn.rms_norm_gemv.default, (h, weight, norm_weight, eps)
+            )
+        vals = (h.meta["val"], weight.meta["val"], norm_weight.meta["val"])
+        out.meta["val"] = _rms_norm_gemv_fake(*vals, eps)
+        mm.replace_all_uses_with(out)
+        chain = [mm, *chain]
+    _erase_unused(graph, chain)
+    return True
+
+
+def _fold_silu_mul(graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) -> bool:
+    match = match_silu_mul(x, weight)
+    if match is None:
+        return False
+    gate_up, chain = match
+    with graph.inserting_before(mm):
+        out = graph.call_function(torch.ops.graphattn.silu_mul_gemv.default, (gate_up, weight))
+    out.meta["val"] = _silu_mul_gemv_fake(gate_up.meta["val"], weight.meta["val"])
+    mm.replace_all_uses_with(out)
+    _erase_unused(graph, [mm, *chain])
+    return True
+
+
+def match_rms_norm(x: fx.Node) -> tuple[fx.Node, fx.Node, float, list[fx.Node]] | None:
+    """``(h, norm_weight, eps, chain)`` when ``x`` is ``rms_norm(h) * norm_weight`` rounded to
+    h's dtype, with every intermediate used only inside the norm; else None."""
+    scaled = _arg_of(x, prims.convert_element_type.default)
+    if scaled is None or not _is(scaled, aten.mul.Tensor):
+        return None
+    normed, weight_f32 = _split_pair(scaled, lambda n: _is_cast_to_f32(n, ndim=1))
+    if normed is None or not _is(normed, aten.mul.Tensor):
+        return None
+    hf, rstd = _split_pair(normed, lambda n: _is(n, aten.rsqrt.default))
+    if hf is None or not _is_cast_to_f32(hf, ndim=2, users=2):
+        return None
+    shifted = rstd.args[0]
+    if not _is(shifted, aten.add.Tensor) or not isinstance(shifted.args[1], float):
+        return None
+    mean = shifted.args[0]
+    if not _is(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [1]):
+        return None
+    if not (mean.args[2:3] == (True,) or mean.kwargs.get("keepdim") is True):
+        return None
+    square = mean.args[0]
+    if not (_is(square, aten.pow.Tensor_Scalar) and square.args == (hf, 2)):
+        return None
+    h, norm_weight = hf.args[0], weight_f32.args[0]
+    if h.meta["val"].dtype != x.meta["val"].dtype or norm_weight.meta["val"].dim() != 1:
+        return None
+    chain = [x, scaled, normed, weight_f32, rstd, shifted, mean, square, hf]
+    return h, norm_weight, float(shifted.args[1]), chain
+
+
+def match_silu_mul(x: fx.Node, weight: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(gate_up, chain)`` when ``x`` is ``silu(gate) * up`` over the halves of one
+    contiguous ``[1, 2K]`` tensor, ``K`` the weight's; else None."""
+    if not _is(x, aten.mul.Tensor, users=1):
+        return None
+    up, silu_cast = _split_pair(x, lambda n: _is(n, prims.convert_element_type.default))
+    dtype = x.meta["val"].dtype
+    if silu_cast is None or silu_cast.args[1] != dtype:
+        return None
+    silu = silu_cast.args[0]
+    gate_f32, silu_chain = _silu_input(silu)
+    if gate_f32 is None or not _is_cast_to_f32(gate_f32, ndim=2, users=len(gate_f32.users)):
+        return None
+    gate = gate_f32.args[0]
+    k = weight.meta["val"].shape[1]
+    halves = _halves(gate, up, k)
+    if halves is None:
+        return None
+    gate_up, split = halves
+    if gate_up.meta["val"].dtype != dtype:
+        return None
+    return gate_up, [x, silu_cast, *silu_chain, gate_f32, gate, up, split]
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _is(node: object, target: object, users: int | None = 1) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is target
+        and (users is None or len(node.users) == users)
+    )
+
+
+def _arg_of(node: fx.Node, target: object) -> fx.Node | None:
+    if not _is(node, target):
+        return None
+    arg = node.args[0]
+    return arg if isinstance(arg, fx.Node) else None
+
+
+def _is_cast_to_f32(node: object, *, ndim: int, users: int = 1) -> bool:
+    if not _is(node, prims.convert_element_type.default, users):
+        return False
+    source = node.args[0]
+    return (
+        node.args[1] == torch.float32
+        and isinstance(source, fx.Node)
+        and isinstance(source.meta.get("val"), torch.Tensor)
+        and source.meta["val"].dim() == ndim
+    )
+
+
+def _split_pair(node: fx.Node, is_second) -> tuple[fx.Node | None, fx.Node | None]:
+    """The two tensor arguments of a binary op as (other, the one ``is_second`` picks)."""
+    a, b = node.args[:2]
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return None, None
+    if is_second(b):
+        return a, b
+    if is_second(a):
+        return b, a
+    return None, None
+
+
+def _silu_input(silu: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The fp32 gate of ``silu`` (``aten.silu`` or ``g / (1 + exp(-g))``) and the nodes of it."""
+    if _is(silu, aten.silu.default):
+        return silu.args[0], [silu]
+    if not _is(silu, aten.div.Tensor):
+        return None, []
+    g, denominator = silu.args[:2]
+    if not (_is(denominator, aten.add.Tensor) and denominator.args[1] == 1):
+        return None, []
+    exp = denominator.args[0]
+    neg = exp.args[0] if _is(exp, aten.exp.default) else None
+    if not (_is(neg, aten.neg.default) and neg.args[0] is g and len(g.users) == 2):
+        return None, []
+    return g, [silu, denominator, exp, neg]
+
+
+def _halves(gate: fx.Node, up: fx.Node, k: int) -> tuple[fx.Node, fx.Node] | None:
+    """(gate_up, split) when gate and up are items 0 and 1 of ``split(gate_up, k, -1)``."""
+    if not (_is(gate, operator.getitem) and _is(up, operator.getitem)):
+        return None
+    split = gate.args[0]
+    if up.args[0] is not split or (gate.args[1], up.args[1]) != (0, 1):
+        return None
+    if not _is(split, aten.split.Tensor, users=2) or split.args[1] != k:
+        return None
+    if split.args[2:] not in ((-1,), (1,)) and split.kwargs.get("dim", -1) not in (-1, 1):
+        return None
+    gate_up = split.args[0]
+    val = gate_up.meta.get("val")
+    if not isinstance(val, torch.Tensor) or tuple(val.shape) != (1, 2 * k) or val.stride(1) != 1:
+        return None
+    return gate_up, split
+
+
+def _residual_add(h: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(a, b) when ``h = add(a, b)`` of two one-row tensors of h's shape and dtype."""
+    if not _is(h, aten.add.Tensor, users=None) or h.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = h.args[:2]
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return None
+    want = h.meta["val"]
+    for t in (a.meta.get("val"), b.meta.get("val")):
+        if not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype:
+            return None
+        if t.stride(-1) != 1:
+            return None
+    return a, b
+
+
+def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` (consumers first) that nothing uses any more."""
+    for node in nodes:
+        if node.op == "call_function" and not node.users:
+            graph.erase_node(node)

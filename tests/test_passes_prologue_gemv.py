@@ -1,0 +1,239 @@
+"""The prologue-GEMV pass: what it folds in graphs shaped like Inductor's post-grad graphs
+(fake CUDA tensors, so on the CPU), and a bf16 Llama compiled by Inductor on the CPU with
+the rewrite allowed there (the kernels run under the Triton interpreter): which ops each
+one-token step calls, and that it computes what the unfused model computes.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import rel_err
+from torch import fx
+from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import graphattn as ga
+from graphattn.kernels import gemv as gemv_kernels
+from graphattn.kernels import prologue_gemv as prologue_kernels
+from graphattn.models.llama import LlamaConfig, LlamaForCausalLM, RMSNorm
+from graphattn.passes import single_row_gemv
+from graphattn.passes.prologue_gemv import PrologueGemvPass
+
+BF16 = torch.bfloat16
+ops = torch.ops.graphattn
+NO_GEMV = ("noop_elimination", "unfuse_residual_addmm")
+
+
+def _graph(fn, *shapes):
+    """Post-grad-like ATen graph of ``fn`` over fake bf16 CUDA tensors of ``shapes``."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        args = [torch.empty(*s, dtype=BF16, device="cuda") for s in shapes]
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    gm.graph.eliminate_dead_code()  # as Inductor has by the time post-grad passes run
+    gm.recompile()
+    return gm
+
+
+def _targets(gm: fx.GraphModule) -> collections.Counter:
+    return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _fold(gm: fx.GraphModule) -> int:
+    changed = PrologueGemvPass()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return changed
+
+
+def _norm(x, norm_w):
+    """The Llama model's RMSNorm.forward with ``norm_w`` as a graph input."""
+    return RMSNorm.forward(SimpleNamespace(weight=norm_w, eps=1e-5), x)
+
+
+def _add_norm_linear(a, b, norm_w, w):  # [1, 64] x2, [64], [96, 64]
+    h = a + b
+    return torch.nn.functional.linear(_norm(h, norm_w), w), h
+
+
+def _norm_linear(x, norm_w, w):
+    return torch.nn.functional.linear(_norm(x, norm_w), w)
+
+
+def _silu_mul_linear(gate_up, w):  # [1, 2 * 48], [64, 48]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w)
+
+
+def test_residual_add_and_norm_fold_into_one_op_with_the_sum_as_second_output():
+    gm = _graph(_add_norm_linear, (1, 64), (1, 64), (64,), (96, 64))
+    assert _fold(gm) == 1
+    targets = _targets(gm)
+    assert targets[ops.add_rms_norm_gemv.default] == 1
+    for gone in (
+        torch.ops.aten.mm.default,
+        torch.ops.aten.rsqrt.default,
+        torch.ops.aten.add.Tensor,
+    ):
+        assert targets[gone] == 0, gm.code
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outs = output.args[0]
+    assert all(o.target is operator.getitem for o in outs)
+    assert [o.args[1] for o in outs] == [0, 1]  # (the product, the residual sum h)
+
+
+def test_norm_without_a_residual_folds_into_rms_norm_gemv():
+    gm = _graph(_norm_linear, (1, 64), (64,), (96, 64))
+    assert _fold(gm) == 1
+    assert _targets(gm)[ops.rms_norm_gemv.default] == 1
+    assert _targets(gm)[torch.ops.aten.mm.default] == 0
+
+
+def test_silu_mul_folds_into_silu_mul_gemv():
+    gm = _graph(_silu_mul_linear, (1, 96), (64, 48))
+    assert _fold(gm) == 1
+    targets = _targets(gm)
+    assert targets[ops.silu_mul_gemv.default] == 1
+    assert targets[torch.ops.aten.mm.default] == targets[torch.ops.aten.split.Tensor] == 0
+
+
+@pytest.mark.parametrize(
+    "fn, shapes",
+    [
+        # the normalised row feeds a second matmul: folding would compute it twice
+        (
+            lambda x, nw, w: (torch.nn.functional.linear(n := _norm(x, nw), w), n * 2),
+            [(1, 64), (64,), (96, 64)],
+        ),
+        (_norm_linear, [(2, 64), (64,), (96, 64)]),  # two rows
+        # the halves of two different tensors
+        (
+            lambda g, u, w: torch.nn.functional.linear(torch.nn.functional.silu(g) * u, w),
+            [(1, 48), (1, 48), (64, 48)],
+        ),
+        # a norm without its weight
+        (
+            lambda x, w: torch.nn.functional.linear(
+                (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(BF16),
+                w,
+            ),
+            [(1, 64), (96, 64)],
+        ),
+    ],
+)
+def test_other_chains_stay(fn, shapes):
+    gm = _graph(fn, *shapes)
+    before = gm.code
+    assert _fold(gm) == 0
+    assert gm.code == before
+
+
+# -- end to end through Inductor (CPU) -----------------------------------------------------
+
+
+def _count_launches(monkeypatch) -> collections.Counter:
+    calls: collections.Counter = collections.Counter()
+
+    def counted(module, name, label):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            has_residual = name == "rms_norm_gemv" and (len(args) > 4 or "residual" in kwargs)
+            calls[label + (" + residual" if has_residual else "")] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(prologue_kernels, "rms_norm_gemv", "rms_norm_gemv")
+    counted(prologue_kernels, "silu_mul_gemv", "silu_mul_gemv")
+    counted(gemv_kernels, "gemv", "gemv")
+    return calls
+
+
+def test_compiled_llama_one_token_step_calls_the_fused_ops_and_matches(monkeypatch, tmp_path):
+    monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
+    calls = _count_launches(monkeypatch)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(BF16)
+    with torch.no_grad():  # norm weights away from 1, so a fold that drops them shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    common = dict(
+        cudagraph_mode="NONE",
+        attention_backend="TORCH_REF",
+        compile_sizes=(1,),
+        max_num_seqs=2,
+        max_num_tokens=16,
+        max_model_len=64,
+        num_blocks=16,
+    )
+    fused = ga.compile(model, cache_dir=str(tmp_path / "fused"), **common)
+    plain = ga.compile(model, passes=NO_GEMV, cache_dir=str(tmp_path / "plain"), **common)
+    prompt = ga.Request(list(range(1, 9)), 0, [0])
+    for engine in (fused, plain):
+        engine.step(ga.Batch.from_requests([prompt]))
+    calls.clear()
+    step = ga.Batch.from_requests([ga.Request([9], 8, [0])])
+    got = fused.step(step)
+    # layer 0: norm(embedding) -> qkv; o; add + norm -> gate_up; silu-mul -> down
+    # layer 1: add + norm -> qkv; o; add + norm -> gate_up; silu-mul -> down; final norm stays
+    assert calls == {
+        "rms_norm_gemv": 1,
+        "rms_norm_gemv + residual": 3,
+        "silu_mul_gemv": 2,
+        "gemv": 2,
+    }
+    want = plain.step(step)
+    assert rel_err(got, want) < 2e-2  # bf16 activations, rounded at other places by Inductor
+
+
+@pytest.mark.gpu
+def test_default_engine_on_cuda_folds_and_matches_cublas(monkeypatch, tmp_path):
+    """The default passes on a bf16 Llama on the GPU: FULL graphs of one token record the
+    fused ops (counted while the engine captures: a replay runs no Python), and a decode
+    step's output matches an engine without the GEMV passes."""
+    calls = _count_launches(monkeypatch)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", BF16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    common = dict(
+        max_num_seqs=4, max_num_tokens=64, max_model_len=128, num_blocks=32,
+        cudagraph_capture_sizes=(1, 2, 4),
+    )  # fmt: skip
+    fused = ga.compile(model, cache_dir=str(tmp_path / "fused"), **common)
+    assert {"rms_norm_gemv", "rms_norm_gemv + residual", "silu_mul_gemv", "gemv"} <= set(calls)
+    plain = ga.compile(model, passes=NO_GEMV, cache_dir=str(tmp_path / "plain"), **common)
+    prompt = ga.Request(list(range(1, 9)), 0, [0])
+    for engine in (fused, plain):
+        engine.step(ga.Batch.from_requests([prompt]))
+    step = ga.Batch.from_requests([ga.Request([9], 8, [0])])
+    got, want = fused.step(step), plain.step(step)
+    assert fused.stats.runtime_modes["FULL"] == 1
+    assert rel_err(got, want) < 2e-2

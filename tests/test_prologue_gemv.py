@@ -1,0 +1,121 @@
+"""The prologue GEMVs (graphattn.kernels.prologue_gemv) against the unfused ops.
+
+The reference runs the prologue in the graph's order and dtypes (``rms_norm_gemv_ref``, and
+SiLU-and-multiply written out) and the product in float64. The prologue's result is rounded to the
+activation dtype before the product on both sides, and the two may round an element
+differently (rsqrt and the mean square summed in another order; the interpreter truncates
+instead of rounding), so the bound is three unit roundoffs: one for the output's rounding,
+two for prologue elements that land on the other side of a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_err
+
+from graphattn.kernels.prologue_gemv import (
+    rms_norm_gemv,
+    rms_norm_gemv_ref,
+    silu_mul_gemv,
+)
+
+UNIT = {torch.float16: 2**-11, torch.bfloat16: 2**-8}
+SHAPES = [(1, 8), (97, 200), (130, 520)]  # (N, K): K below, across and past one 512 tile
+LLAMA = [(3072, 2048), (16384, 2048)]  # qkv and gate_up after a norm (N, K)
+
+
+def _randn(*shape, dtype, device, gen):
+    return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+
+def _norm_inputs(n, k, dtype, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x, residual = (_randn(1, k, dtype=dtype, device=device, gen=gen) for _ in range(2))
+    weight = _randn(n, k, dtype=dtype, device=device, gen=gen)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
+    return x, weight, norm_weight, residual
+
+
+def _product_err(out: torch.Tensor, prologue: torch.Tensor, weight: torch.Tensor) -> float:
+    """Largest error of ``out`` against ``prologue @ weight.T`` in float64, each element
+    relative to ``|prologue| @ |weight.T|``: an element of the prologue rounded the other
+    way moves the output by its weight times one unit, whatever the sum cancels."""
+    p, w = prologue.double(), weight.double()
+    scale = (p.abs() @ w.abs().T).clamp_min(1e-30)
+    return float(((out.double() - p @ w.T).abs() / scale).max())
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_gemv_matches_the_unfused_ops(n, k, dtype, with_residual):
+    x, weight, norm_weight, residual = _norm_inputs(n, k, dtype)
+    residual = residual if with_residual else None
+    out, h = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual)
+    _, h_ref = rms_norm_gemv_ref(x, weight, norm_weight, 1e-5, residual)
+    hf = h_ref.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()).to(
+        dtype
+    )
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert _product_err(out, normed, weight) < 3 * UNIT[dtype]
+    if with_residual:
+        assert h is not x and rel_err(h, x.double() + residual.double()) < 2 * UNIT[dtype]
+    else:
+        assert h is x
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_gemv_matches_the_unfused_ops(n, k, dtype):
+    gen = torch.Generator().manual_seed(1)
+    gate_up = _randn(1, 2 * k, dtype=dtype, device="cpu", gen=gen)
+    weight = _randn(n, k, dtype=dtype, device="cpu", gen=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    s = torch.nn.functional.silu(gate.float()).to(dtype) * up
+    out = silu_mul_gemv(gate_up, weight)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert _product_err(out, s, weight) < 3 * UNIT[dtype]
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda x, w, nw, r: rms_norm_gemv(x.repeat(2, 1), w, nw, 1e-5), ValueError, "rows"),
+        (lambda x, w, nw, r: rms_norm_gemv(x, w[:, :-1], nw, 1e-5), ValueError, "K"),
+        (lambda x, w, nw, r: rms_norm_gemv(x.float(), w, nw, 1e-5), TypeError, "x must have"),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w.t().contiguous().t(), nw, 1e-5),
+            ValueError,
+            "weight must be contiguous",
+        ),
+        (lambda x, w, nw, r: rms_norm_gemv(x, w, nw[:-1], 1e-5), ValueError, "norm_weight"),
+        (lambda x, w, nw, r: rms_norm_gemv(x, w, nw, 1e-5, r[:, :-1]), ValueError, "residual"),
+        (lambda x, w, nw, r: silu_mul_gemv(x, w), ValueError, "gate_up dim 1"),
+    ],
+)
+def test_bad_arguments_are_rejected(call, error, message):
+    x, weight, norm_weight, residual = _norm_inputs(16, 32, torch.bfloat16)
+    with pytest.raises(error, match=message):
+        call(x, weight, norm_weight, residual)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", LLAMA)
+def test_llama_shapes_on_the_gpu(n, k):
+    dtype = torch.bfloat16
+    x, weight, norm_weight, residual = _norm_inputs(n, k, dtype, device="cuda")
+    out, h = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual)
+    want, h_want = rms_norm_gemv_ref(x, weight, norm_weight, 1e-5, residual)
+    assert torch.equal(h, h_want)  # the add rounds once, as torch's does
+    hf = h_want.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()).to(
+        dtype
+    )
+    assert _product_err(out, normed, weight) < 3 * UNIT[dtype]
+    assert rel_err(out, want) < 3 * UNIT[dtype]
+    gate_up = torch.randn(1, 2 * k, device="cuda").to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    s = torch.nn.functional.silu(gate.float()).to(dtype) * up
+    assert _product_err(silu_mul_gemv(gate_up, weight[:, :k]), s, weight[:, :k]) < 3 * UNIT[dtype]
