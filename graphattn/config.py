@@ -79,12 +79,7 @@ class CompileConfig:
     compile_backend: str = "inductor"
     compile_sizes: tuple[int, ...] | None = None
     splitting_ops: tuple[str, ...] | None = None
-    passes: tuple[str, ...] = (
-        "noop_elimination",
-        "unfuse_residual_addmm",
-        "prologue_gemv",
-        "single_row_gemv",
-    )
+    passes: tuple[str, ...] = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")
     cache_dir: str | None = None
     debug_dump_path: str | None = None
     strict: bool = False

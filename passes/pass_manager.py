@@ -79,11 +79,6 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     return PostGradPassManager([known[n]() for n in names])
 
 
-# The GEMV passes after unfuse_residual_addmm, which turns addmm back into the mm they match;
-# prologue_gemv before single_row_gemv, which takes the linear layers it leaves.
-DEFAULT_PASSES = (
-    "noop_elimination",
-    "unfuse_residual_addmm",
-    "prologue_gemv",
-    "single_row_gemv",
-)
+# single_row_gemv after unfuse_residual_addmm, which turns addmm back into the mm it matches.
+# prologue_gemv (opt-in, before single_row_gemv) measured slower on an H200: see its module.
+DEFAULT_PASSES = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")

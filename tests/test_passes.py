@@ -380,7 +380,6 @@ def test_factors_are_written_next_to_the_entry(toy):
     assert factors["compiler"]["passes"] == [
         "noop_elimination",
         "unfuse_residual_addmm",
-        "prologue_gemv",
         "single_row_gemv",
     ]
 

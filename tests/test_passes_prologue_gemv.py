@@ -29,6 +29,7 @@ from graphattn.passes.prologue_gemv import PrologueGemvPass
 BF16 = torch.bfloat16
 ops = torch.ops.graphattn
 NO_GEMV = ("noop_elimination", "unfuse_residual_addmm")
+WITH_PROLOGUE = (*NO_GEMV, "prologue_gemv", "single_row_gemv")  # opt-in: not a default
 
 
 def _graph(fn, *shapes):
@@ -183,7 +184,7 @@ def test_compiled_llama_one_token_step_calls_the_fused_ops_and_matches(monkeypat
         max_model_len=64,
         num_blocks=16,
     )
-    fused = ga.compile(model, cache_dir=str(tmp_path / "fused"), **common)
+    fused = ga.compile(model, passes=WITH_PROLOGUE, cache_dir=str(tmp_path / "fused"), **common)
     plain = ga.compile(model, passes=NO_GEMV, cache_dir=str(tmp_path / "plain"), **common)
     prompt = ga.Request(list(range(1, 9)), 0, [0])
     for engine in (fused, plain):
@@ -204,8 +205,8 @@ def test_compiled_llama_one_token_step_calls_the_fused_ops_and_matches(monkeypat
 
 
 @pytest.mark.gpu
-def test_default_engine_on_cuda_folds_and_matches_cublas(monkeypatch, tmp_path):
-    """The default passes on a bf16 Llama on the GPU: FULL graphs of one token record the
+def test_engine_on_cuda_folds_and_matches_cublas(monkeypatch, tmp_path):
+    """The prologue pass on a bf16 Llama on the GPU: FULL graphs of one token record the
     fused ops (counted while the engine captures: a replay runs no Python), and a decode
     step's output matches an engine without the GEMV passes."""
     calls = _count_launches(monkeypatch)
@@ -227,7 +228,7 @@ def test_default_engine_on_cuda_folds_and_matches_cublas(monkeypatch, tmp_path):
         max_num_seqs=4, max_num_tokens=64, max_model_len=128, num_blocks=32,
         cudagraph_capture_sizes=(1, 2, 4),
     )  # fmt: skip
-    fused = ga.compile(model, cache_dir=str(tmp_path / "fused"), **common)
+    fused = ga.compile(model, passes=WITH_PROLOGUE, cache_dir=str(tmp_path / "fused"), **common)
     assert {"rms_norm_gemv", "rms_norm_gemv + residual", "silu_mul_gemv", "gemv"} <= set(calls)
     plain = ga.compile(model, passes=NO_GEMV, cache_dir=str(tmp_path / "plain"), **common)
     prompt = ga.Request(list(range(1, 9)), 0, [0])
