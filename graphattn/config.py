@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,9 +54,9 @@ class CompileConfig:
         cudagraph_capture_sizes: batch sizes (tokens) to capture; None takes the default list.
         compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace).
         compile_sizes: token counts that also get a specialised Inductor build; None takes
-            (1,) on CUDA with the inductor backend and a GEMV pass (single_row_gemv or
-            prologue_gemv: the one-token build runs its linear layers as Triton GEMVs),
-            () otherwise.
+            (1,) on CUDA with the inductor backend, a GEMV pass (single_row_gemv or
+            prologue_gemv: the one-token build runs its linear layers as Triton GEMVs) and
+            CUDA graphs that cover one token, () otherwise.
         splitting_ops: op names to split the traced graph at; None takes the attention ops.
         passes: post-grad passes Inductor runs on every piece (by name).
         cache_dir: compile cache folder; None takes ``$GRAPHATTN_CACHE_DIR`` or the user cache.
@@ -129,13 +130,20 @@ class CompileConfig:
         """Width of a request's block table: enough blocks for ``max_model_len`` tokens."""
         return -(-self.max_model_len // self.block_size)
 
-    def resolved_compile_sizes(self, device: torch.device) -> tuple[int, ...]:
-        """``compile_sizes``, or the default for ``device`` when it is None."""
+    def resolved_compile_sizes(
+        self, device: torch.device, graphed_sizes: Sequence[int] = ()
+    ) -> tuple[int, ...]:
+        """``compile_sizes``, or when it is None the default: ``(1,)`` for a CUDA engine whose
+        graphs cover one token (``graphed_sizes``: the capture sizes, empty without graphs),
+        with the inductor backend and a GEMV pass; else ``()``. The one-token build calls
+        the GEMV as a Python op per linear layer: cheap inside a graph, a host cost per
+        layer in a step without one.
+        """
         if self.compile_sizes is not None:
             return self.compile_sizes
         gemv_passes = {"single_row_gemv", "prologue_gemv"} & set(self.passes)
         gemv = self.compile_backend == "inductor" and bool(gemv_passes)
-        return (1,) if gemv and device.type == "cuda" else ()
+        return (1,) if gemv and device.type == "cuda" and 1 in graphed_sizes else ()
 
     def replace(self, **changes: Any) -> CompileConfig:
         """A copy with ``changes`` applied and validated again."""

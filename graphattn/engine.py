@@ -72,6 +72,8 @@ class CompiledModel:
             device=self.device,
             debug=config.debug,
         )
+        graphed = self.graphs.dispatcher.sizes if self.graphs.mode != CUDAGraphMode.NONE else ()
+        self.compile_sizes = config.resolved_compile_sizes(self.device, graphed)
         self.compiled = self._compile()
         forward = self.compiled if self.compiled is not None else self.model
         self.runner.forward = self.graphs.wrap_model(forward)
@@ -210,7 +212,7 @@ class CompiledModel:
         options = CompileOptions(
             splitting_ops=c.splitting_ops,
             compile_backend=c.compile_backend,
-            compile_sizes=c.resolved_compile_sizes(self.device),
+            compile_sizes=self.compile_sizes,
             cache_dir=c.cache_dir,
             debug_dump_path=c.debug_dump_path,
             strict=c.strict or c.debug,
@@ -236,7 +238,7 @@ class CompiledModel:
             "backends": {n: b.backend.full_cls_name() for n, b in self.bound.items()},
             "splitting_ops": list(c.splitting_ops or ()),
             "compile_backend": c.compile_backend,
-            "compile_sizes": list(c.resolved_compile_sizes(self.device)),
+            "compile_sizes": list(self.compile_sizes),
             "passes": list(c.passes),
             "model": type(self.model).__qualname__,
         }

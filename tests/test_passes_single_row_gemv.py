@@ -72,16 +72,19 @@ def test_other_matmuls_stay(kwargs):
     assert gm.code == before
 
 
-def test_compile_sizes_default_to_one_token_on_cuda_with_the_pass():
+def test_compile_sizes_default_to_one_token_on_cuda_with_the_pass_and_graphs():
     config = ga.CompileConfig()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert config.resolved_compile_sizes(cuda) == (1,)
-    assert config.resolved_compile_sizes(cpu) == ()
-    assert config.replace(passes=("noop_elimination",)).resolved_compile_sizes(cuda) == ()
-    assert config.replace(passes=("prologue_gemv",)).resolved_compile_sizes(cuda) == (1,)
-    assert config.replace(compile_backend="eager").resolved_compile_sizes(cuda) == ()
-    assert config.replace(compile_sizes=(4, 2)).resolved_compile_sizes(cuda) == (4, 2)
-    assert config.replace(compile_sizes=()).resolved_compile_sizes(cuda) == ()
+    graphed = (1, 2, 4, 8)  # capture sizes covering one token
+    assert config.resolved_compile_sizes(cuda, graphed) == (1,)
+    assert config.resolved_compile_sizes(cpu, graphed) == ()
+    assert config.resolved_compile_sizes(cuda, ()) == ()  # no graphs: a Python op per layer
+    assert config.resolved_compile_sizes(cuda, (2, 4)) == ()  # one token runs without one
+    assert config.replace(passes=("noop_elimination",)).resolved_compile_sizes(cuda, graphed) == ()
+    assert config.replace(passes=("prologue_gemv",)).resolved_compile_sizes(cuda, graphed) == (1,)
+    assert config.replace(compile_backend="eager").resolved_compile_sizes(cuda, graphed) == ()
+    assert config.replace(compile_sizes=(4, 2)).resolved_compile_sizes(cuda, ()) == (4, 2)
+    assert config.replace(compile_sizes=()).resolved_compile_sizes(cuda, graphed) == ()
 
 
 @pytest.mark.gpu
