@@ -1,7 +1,7 @@
 """Few-row GEMV benchmark: graphattn's Triton ``gemv`` against cuBLAS on Llama-3.2-1B's
 decode linears.
 
-    python benchmarks/gemv.py --out $OUT/gemv.json         # a GPU (an H200: ~2 min)
+    python benchmarks/gemv.py --out $OUT/gemv.json         # a GPU (an H200: about a minute)
     TRITON_INTERPRET=1 python benchmarks/gemv.py --smoke   # CPU, interpreter: every path, no results
 
 Weights (N x K, bf16): qkv 3072x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192,
@@ -310,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         copy_tbps = copy_bandwidth("cuda", 2**30) / 1e12
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
     ms = SMOKE_ROWS if args.smoke else tuple(int(m) for m in args.rows.split(","))
-    out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "gemv.json")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path = None  # a smoke run writes nothing unless asked to
+    if args.out or not args.smoke:
+        out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "gemv.json")
+        out_path.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for name, (n, k) in shapes.items():
         weights = weight_copies(n, k, st)
@@ -322,24 +324,28 @@ def main(argv: list[str] | None = None) -> int:
         del weights
         ab._release(device)
     print_report(write_result(out_path, rows, st, copy_tbps, start))
-    print(f"JSON: {out_path}")
+    if out_path is not None:
+        print(f"JSON: {out_path}")
     return 0
 
 
-def write_result(path: Path, rows: list[dict], st: Settings, copy_tbps, start: float) -> dict:
+def write_result(path: Path | None, rows: list[dict], st: Settings, copy_tbps, start) -> dict:
     meta = ab.meta(ab.Settings(st.device, DTYPE, st.reps, st.smoke, st.l2_bytes), copy_tbps)
     meta.pop("shape")
     meta.update(num_sms=st.num_sms, shapes=SHAPES, timing=__doc__.split("Timing: ")[1].split("\n\n")[0].replace("\n", " "),
                 sweep_space=asdict(st.space), formulas={"TBps": "N * K * 2 bytes / time"})  # fmt: skip
     result = {"meta": meta, "summary": summary_rows(rows), "best_per_shape": best_per_shape(rows),
               "rows": rows, "wall_seconds": time.perf_counter() - start}  # fmt: skip
-    path.write_text(json.dumps(result, indent=1, default=str))
+    if path is not None:
+        path.write_text(json.dumps(result, indent=1, default=str))
     return result
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", help="JSON path (default $OUT/gemv.json, else ./gemv.json)")
+    p.add_argument(
+        "--out", help="JSON path (default $OUT/gemv.json, else ./gemv.json; none for --smoke)"
+    )
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU interpreter; no results"
     )

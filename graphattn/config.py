@@ -55,8 +55,8 @@ class CompileConfig:
         compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace).
         compile_sizes: token counts that also get a specialised Inductor build; None takes
             (1,) on CUDA with the inductor backend, a GEMV pass (single_row_gemv or
-            prologue_gemv: the one-token build runs its linear layers as Triton GEMVs) and
-            CUDA graphs that cover one token, () otherwise.
+            prologue_gemv: the one-token build runs its linear layers as Triton GEMVs), a
+            bf16 or fp16 model and CUDA graphs that cover one token, () otherwise.
         splitting_ops: op names to split the traced graph at; None takes the attention ops.
         passes: post-grad passes Inductor runs on every piece (by name).
         cache_dir: compile cache folder; None takes ``$GRAPHATTN_CACHE_DIR`` or the user cache.
@@ -131,19 +131,23 @@ class CompileConfig:
         return -(-self.max_model_len // self.block_size)
 
     def resolved_compile_sizes(
-        self, device: torch.device, graphed_sizes: Sequence[int] = ()
+        self,
+        device: torch.device,
+        graphed_sizes: Sequence[int] = (),
+        dtype: torch.dtype = torch.bfloat16,
     ) -> tuple[int, ...]:
         """``compile_sizes``, or when it is None the default: ``(1,)`` for a CUDA engine whose
         graphs cover one token (``graphed_sizes``: the capture sizes, empty without graphs),
-        with the inductor backend and a GEMV pass; else ``()``. The one-token build calls
-        the GEMV as a Python op per linear layer: cheap inside a graph, a host cost per
-        layer in a step without one.
+        in bf16 or fp16 (the dtypes the GEMV passes rewrite), with the inductor backend and
+        a GEMV pass; else ``()``. The one-token build calls the GEMV as a Python op per
+        linear layer: cheap inside a graph, a host cost per layer in a step without one.
         """
         if self.compile_sizes is not None:
             return self.compile_sizes
         gemv_passes = {"single_row_gemv", "prologue_gemv"} & set(self.passes)
         gemv = self.compile_backend == "inductor" and bool(gemv_passes)
-        return (1,) if gemv and device.type == "cuda" and 1 in graphed_sizes else ()
+        half = dtype in (torch.bfloat16, torch.float16)
+        return (1,) if gemv and half and device.type == "cuda" and 1 in graphed_sizes else ()
 
     def replace(self, **changes: Any) -> CompileConfig:
         """A copy with ``changes`` applied and validated again."""

@@ -73,7 +73,7 @@ class CompiledModel:
             debug=config.debug,
         )
         graphed = self.graphs.dispatcher.sizes if self.graphs.mode != CUDAGraphMode.NONE else ()
-        self.compile_sizes = config.resolved_compile_sizes(self.device, graphed)
+        self.compile_sizes = config.resolved_compile_sizes(self.device, graphed, self.dtype)
         self.compiled = self._compile()
         forward = self.compiled if self.compiled is not None else self.model
         self.runner.forward = self.graphs.wrap_model(forward)

@@ -76,7 +76,25 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ConfigError(f"unknown post-grad pass(es) {unknown}; known: {sorted(known)}")
+    _check_order(list(names))
     return PostGradPassManager([known[n]() for n in names])
+
+
+# (earlier, later): a pass that rewrites what the later one matches must run first
+PASS_ORDER = (
+    ("unfuse_residual_addmm", "prologue_gemv"),  # gives back the mm of a residual linear
+    ("unfuse_residual_addmm", "single_row_gemv"),
+    ("prologue_gemv", "single_row_gemv"),  # takes the mm the prologue fold needs
+)
+
+
+def _check_order(names: list[str]) -> None:
+    for first, then in PASS_ORDER:
+        if first in names and then in names and names.index(first) > names.index(then):
+            raise ConfigError(
+                f"post-grad pass {first!r} must come before {then!r} (got {names}): it rewrites "
+                f"what {then!r} matches"
+            )
 
 
 # single_row_gemv after unfuse_residual_addmm, which turns addmm back into the mm it matches.

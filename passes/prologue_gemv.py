@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 from torch import fx
 
+from graphattn.passes import single_row_gemv
 from graphattn.passes.pass_manager import GraphPass
 from graphattn.passes.single_row_gemv import module_uuid, single_row_linear_weight
 
@@ -91,8 +92,8 @@ class PrologueGemvPass(GraphPass):
 
     name: ClassVar[str] = "prologue_gemv"
 
-    def uuid(self) -> str:
-        return module_uuid(self.name, __name__)
+    def uuid(self) -> str:  # what it matches also depends on single_row_gemv's rules
+        return module_uuid(self.name, __name__, single_row_gemv.__name__)
 
     def __call__(self, graph: fx.Graph) -> int:
         changed = 0
@@ -183,7 +184,9 @@ def match_rms_norm(x: fx.Node) -> tuple[fx.Node, fx.Node, float, list[fx.Node]] 
     if not (_is(square, aten.pow.Tensor_Scalar) and square.args == (hf, 2)):
         return None
     h, norm_weight = hf.args[0], weight_f32.args[0]
-    if h.meta["val"].dtype != x.meta["val"].dtype or norm_weight.meta["val"].dim() != 1:
+    k = x.meta["val"].shape[1]
+    w = norm_weight.meta["val"]
+    if h.meta["val"].dtype != x.meta["val"].dtype or w.shape != (k,) or w.stride() != (1,):
         return None
     chain = [x, scaled, normed, weight_f32, rstd, shifted, mean, square, hf]
     return h, norm_weight, float(shifted.args[1]), chain
@@ -281,7 +284,8 @@ def _halves(gate: fx.Node, up: fx.Node, k: int) -> tuple[fx.Node, fx.Node] | Non
         return None
     if not _is(split, aten.split.Tensor, users=2) or split.args[1] != k:
         return None
-    if split.args[2:] not in ((-1,), (1,)) and split.kwargs.get("dim", -1) not in (-1, 1):
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim not in (-1, 1):
         return None
     gate_up = split.args[0]
     val = gate_up.meta.get("val")

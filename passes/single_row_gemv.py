@@ -70,11 +70,11 @@ class SingleRowGemvPass(GraphPass):
         return changed
 
 
-def module_uuid(name: str, module: str) -> str:
-    """A pass's uuid from its whole module's source (the matching lives in module functions)
-    and the devices it rewrites for."""
-    source = inspect.getsource(sys.modules[module])
-    return hashlib.sha256(f"{name}\n{GEMV_DEVICES}\n{source}".encode()).hexdigest()
+def module_uuid(name: str, *modules: str) -> str:
+    """A pass's uuid from the whole source of the modules its matching lives in and the
+    devices it rewrites for."""
+    sources = "\n".join(inspect.getsource(sys.modules[m]) for m in modules)
+    return hashlib.sha256(f"{name}\n{GEMV_DEVICES}\n{sources}".encode()).hexdigest()
 
 
 def single_row_linear_weight(node: fx.Node) -> fx.Node | None:

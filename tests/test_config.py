@@ -58,3 +58,10 @@ def test_mode_helpers():
     )
     assert not m.NONE.has_full_cudagraphs() and not m.NONE.has_piecewise_cudagraphs()
     assert m.FULL_AND_PIECEWISE.has_piecewise_cudagraphs()
+
+
+def test_default_passes_are_the_pass_managers():
+    # config.py spells them out so importing it does not import Inductor
+    from graphattn.passes.pass_manager import DEFAULT_PASSES
+
+    assert ga.CompileConfig().passes == DEFAULT_PASSES

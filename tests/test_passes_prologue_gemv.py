@@ -108,12 +108,19 @@ def test_silu_mul_folds_into_silu_mul_gemv():
 @pytest.mark.parametrize(
     "fn, shapes",
     [
-        # the normalised row feeds a second matmul: folding would compute it twice
+        # the normalised row has a second user: folding would compute it twice
         (
             lambda x, nw, w: (torch.nn.functional.linear(n := _norm(x, nw), w), n * 2),
             [(1, 64), (64,), (96, 64)],
         ),
         (_norm_linear, [(2, 64), (64,), (96, 64)]),  # two rows
+        # split along the rows, not the features
+        (
+            lambda gu, w: torch.nn.functional.linear(
+                torch.nn.functional.silu(gu.split(1, 0)[0]) * gu.split(1, 0)[1], w
+            ),
+            [(2, 48), (64, 48)],
+        ),
         # the halves of two different tensors
         (
             lambda g, u, w: torch.nn.functional.linear(torch.nn.functional.silu(g) * u, w),

@@ -80,6 +80,8 @@ def test_compile_sizes_default_to_one_token_on_cuda_with_the_pass_and_graphs():
     assert config.resolved_compile_sizes(cpu, graphed) == ()
     assert config.resolved_compile_sizes(cuda, ()) == ()  # no graphs: a Python op per layer
     assert config.resolved_compile_sizes(cuda, (2, 4)) == ()  # one token runs without one
+    assert config.resolved_compile_sizes(cuda, graphed, torch.float16) == (1,)
+    assert config.resolved_compile_sizes(cuda, graphed, torch.float32) == ()  # not rewritten
     assert config.replace(passes=("noop_elimination",)).resolved_compile_sizes(cuda, graphed) == ()
     assert config.replace(passes=("prologue_gemv",)).resolved_compile_sizes(cuda, graphed) == (1,)
     assert config.replace(compile_backend="eager").resolved_compile_sizes(cuda, graphed) == ()
@@ -106,7 +108,7 @@ def test_engine_one_token_build_runs_the_gemv_with_cublas_tokens(monkeypatch, tm
 
     monkeypatch.setattr(gemv_module, "gemv", counting)
     cfg = LlamaConfig(
-        vocab_size=512,
+        vocab_size=384,  # the head [384, 256] differs from every linear in the graph
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,

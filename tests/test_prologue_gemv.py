@@ -91,6 +91,16 @@ def test_silu_mul_gemv_matches_the_unfused_ops(n, k, dtype):
             "weight must be contiguous",
         ),
         (lambda x, w, nw, r: rms_norm_gemv(x, w, nw[:-1], 1e-5), ValueError, "norm_weight"),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w, nw.repeat(2)[::2], 1e-5),
+            ValueError,
+            "norm_weight",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w[0], nw, 1e-5),
+            ValueError,
+            r"weight must be \[N, K\]",
+        ),
         (lambda x, w, nw, r: rms_norm_gemv(x, w, nw, 1e-5, r[:, :-1]), ValueError, "residual"),
         (lambda x, w, nw, r: silu_mul_gemv(x, w), ValueError, "gate_up dim 1"),
     ],

@@ -161,9 +161,11 @@ def gemv(
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv(x, weight)`` runs on its fast path: CUDA tensors of one supported dtype,
-    1-16 rows, a contiguous weight and rows whose length and starts are 16-byte aligned (so
-    the loads vectorise). ``gemv`` itself also takes other K and strides, more slowly."""
+    """Whether ``gemv(x, weight)`` runs with vectorised loads: CUDA tensors of one supported
+    dtype, 1-16 rows, a contiguous weight and rows whose length and starts are 16-byte
+    aligned. ``gemv`` itself also takes other K and strides, more slowly. Only one row has
+    measured configs: at 2-16 rows ``choose_gemv_config``'s estimates lost to cuBLAS in the
+    sweep, by up to 9x (docs/results/gemv-h200.log), so callers should keep cuBLAS there."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return False
     if x.device.type != "cuda" or weight.device != x.device:
@@ -179,11 +181,11 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def choose_gemv_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """A config that puts ``PROGRAMS_PER_SM`` programs on each of ``num_sms`` SMs where N
-    allows, splitting K when even the narrowest tiles leave SMs idle.
-
-    Tensor cores above 4 rows, where CUDA-core products start to cost as much time as the
-    weight read (an estimate; benchmarks/gemv.py measures both paths at every M).
+    """One row: the configs measured best (``_one_row_config``). More rows: an unmeasured
+    estimate that puts ``PROGRAMS_PER_SM`` programs on each of ``num_sms`` SMs where N
+    allows, splitting K when even the narrowest tiles leave SMs idle, with tensor cores above
+    4 rows. The sweep found it far from the best configs there (gate_up at 4 rows: 153 us
+    against cuBLAS's 20), which is why only one-row layers use the kernel.
     """
     if m == 1:
         return _one_row_config(n, k)
@@ -211,10 +213,10 @@ def choose_gemv_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
 
 
 def _one_row_config(n: int, k: int) -> GemvConfig:
-    """The best single-row configs of the sweep in docs/results/gemv-h200.log (H200; every
-    one beat cuBLAS): 4 weight rows a program up to N = 4096 (qkv, o_proj, down: 5.1, 4.5,
-    10.3-10.7 us against cuBLAS's 6.1, 6.1, 13.0), 8 rows on 2 warps above (gate_up 17.9
-    against 18.0, a 128k-vocabulary head 117.8 against 122.5).
+    """The best single-row configs of the sweep in docs/results/gemv-h200.log (H200): 4
+    weight rows a program up to N = 4096 (qkv, o_proj, down: 5.1, 4.5, 10.3-10.7 us against
+    cuBLAS's 6.1, 6.1, 13.0), 8 rows on 2 warps above (gate_up 17.9 against 18.0, on par
+    within the sweep's run-to-run spread; a 128k-vocabulary head 117.8 against 122.5).
     """
     block_k = max(16, min(512, triton.next_power_of_2(k)))
     if n <= 4096:

@@ -49,9 +49,11 @@ def rms_norm_gemv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)``; see the module. Without a
     residual the second result is ``x`` itself."""
+    expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("x", x, weight, weight.shape[1])
     expect_ndim("norm_weight", norm_weight, 1, "[K]")
     expect_dim("norm_weight", norm_weight, 0, x.shape[1], "K")
+    expect_unit_last_stride("norm_weight", norm_weight)
     expect_same_device({"x": x, "weight": weight, "norm_weight": norm_weight})
     if residual is not None:
         _check_row("residual", residual, weight, x.shape[1])
@@ -65,6 +67,7 @@ def rms_norm_gemv(
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T`` for ``gate_up = [gate | up]`` of ``[1, 2K]``."""
+    expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("gate_up", gate_up, weight, 2 * weight.shape[1])
     expect_same_device({"gate_up": gate_up, "weight": weight})
     return _launch(gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False)
