@@ -113,13 +113,34 @@ def gemv(
         return out.zero_()
     if config is None:
         config = choose_gemv_config(m, n, k, _num_sms(x.device))
+    if config.split_k == 1:
+        _launch(x, weight, out, out.stride(0), 0, config)
+        return out
+    partial = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+    _launch(x, weight, partial, n, m * n, config)  # [S, M, N] fp32
+    _sum_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK_N),)](
+        partial,
+        out,
+        m,
+        n,
+        out.stride(0),
+        SPLIT_K=config.split_k,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=REDUCE_BLOCK_N,
+    )
+    return out
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    dst: torch.Tensor,  # out [M, N], or the fp32 workspace [S, M, N] of a split K
+    stride_dm: int,
+    stride_ds: int,
+    config: GemvConfig,
+) -> None:
+    (m, k), n = x.shape, weight.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    if config.split_k > 1:
-        partial = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-        dst, stride_dm, stride_ds = partial, n, m * n  # [S, M, N] fp32
-    else:
-        dst, stride_dm, stride_ds = out, out.stride(0), 0
-    block_m = triton.next_power_of_2(m)
     _gemv_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
         x,
         weight,
@@ -132,7 +153,7 @@ def gemv(
         weight.stride(0),
         stride_dm,
         stride_ds,
-        BLOCK_M=16 if config.dot else block_m,
+        BLOCK_M=16 if config.dot else triton.next_power_of_2(m),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         EVEN_K=k % k_per_split == 0,
@@ -146,18 +167,6 @@ def gemv(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if config.split_k > 1:
-        _sum_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK_N),)](
-            partial,
-            out,
-            m,
-            n,
-            out.stride(0),
-            SPLIT_K=config.split_k,
-            BLOCK_M=block_m,
-            BLOCK_N=REDUCE_BLOCK_N,
-        )
-    return out
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
