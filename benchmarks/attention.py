@@ -475,20 +475,29 @@ def meta(st: Settings, copy_tbps: float | None) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.smoke and not torch.cuda.is_available():
+def bench_device(smoke: bool) -> torch.device | None:
+    """The GPU, or the CPU under the Triton interpreter for a smoke run; None (after saying
+    why) for a timed run without CUDA."""
+    if smoke and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.smoke:
+    if device.type == "cpu" and not smoke:
         print("no CUDA device: run with --smoke on a CPU (no timing results)", file=sys.stderr)
+        return None
+    return device
+
+
+def l2_bytes(device: torch.device) -> int:
+    cuda = device.type == "cuda"
+    return (torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0) or DEFAULT_L2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = bench_device(args.smoke)
+    if device is None:
         return 2
-    l2 = (
-        torch.cuda.get_device_properties(device).L2_cache_size
-        if device.type == "cuda"
-        else DEFAULT_L2
-    )
-    st = Settings(device, torch.bfloat16, args.reps, args.smoke, l2 or DEFAULT_L2)
+    st = Settings(device, torch.bfloat16, args.reps, args.smoke, l2_bytes(device))
     gen = torch.Generator(device=device).manual_seed(0)
     start = time.perf_counter()
     copy_tbps = None

@@ -286,11 +286,8 @@ def print_report(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.smoke and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.smoke:
-        print("no CUDA device: run with --smoke on a CPU (no timing results)", file=sys.stderr)
+    device = ab.bench_device(args.smoke)
+    if device is None:
         return 2
     start = time.perf_counter()
     cuda = device.type == "cuda"
@@ -298,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         device,
         args.reps,
         args.smoke,
-        (torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0) or ab.DEFAULT_L2,
+        ab.l2_bytes(device),
         ab.num_sms(device) if cuda else 4,
         SMOKE_SPACE if args.smoke else SweepSpace(),
         start + args.time_limit,

@@ -35,7 +35,7 @@ from torch import fx
 
 from graphattn.passes import single_row_gemv
 from graphattn.passes.pass_manager import GraphPass
-from graphattn.passes.single_row_gemv import module_uuid, single_row_linear_weight
+from graphattn.passes.single_row_gemv import module_uuid, single_row_linears
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -97,15 +97,9 @@ class PrologueGemvPass(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         changed = 0
-        for node in list(graph.nodes):
-            weight = single_row_linear_weight(node)
-            if weight is None:
-                continue
-            x = node.args[0]
-            rewritten = _fold_silu_mul(graph, node, x, weight) or _fold_rms_norm(
-                graph, node, x, weight
-            )
-            changed += bool(rewritten)
+        for mm, x, weight in single_row_linears(graph):
+            folded = _fold_silu_mul(graph, mm, x, weight) or _fold_rms_norm(graph, mm, x, weight)
+            changed += folded
         return changed
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import sys
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -56,18 +57,23 @@ class SingleRowGemvPass(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         changed = 0
-        for node in list(graph.nodes):
-            weight = single_row_linear_weight(node)
-            if weight is None:
-                continue
-            x = node.args[0]
-            with graph.inserting_before(node):
+        for mm, x, weight in single_row_linears(graph):
+            with graph.inserting_before(mm):
                 call = graph.call_function(GEMV_OP, (x, weight))
             call.meta["val"] = _gemv_fake(x.meta["val"], weight.meta["val"])
-            node.replace_all_uses_with(call)
-            graph.erase_node(node)
+            mm.replace_all_uses_with(call)
+            graph.erase_node(mm)
             changed += 1
         return changed
+
+
+def single_row_linears(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node, fx.Node]]:
+    """``(mm, x, weight)`` of every one-row linear the GEMV takes, over a snapshot of the
+    nodes (the caller may rewrite each as it comes)."""
+    for node in list(graph.nodes):
+        weight = single_row_linear_weight(node)
+        if weight is not None:
+            yield node, node.args[0], weight
 
 
 def module_uuid(name: str, *modules: str) -> str:

@@ -175,3 +175,26 @@ def eager_engine(model, **overrides):
     """
     overrides.setdefault("compile_backend", "none")
     return ga.compile(model, **overrides)
+
+
+def small_bf16_llama(vocab, hidden, intermediate, *, device="cpu", norms_off_one=False):
+    """A seeded 2-layer bf16 Llama with 4 query and 2 KV heads. ``norms_off_one`` draws the
+    norm weights from [0.5, 1.5], so a rewrite that drops them changes the output."""
+    from graphattn.models.llama import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device, torch.bfloat16)
+    if norms_off_one:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    return model

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, small_bf16_llama
 from torch import fx
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import graphattn as ga
 from graphattn.kernels import gemv as gemv_kernels
 from graphattn.kernels import prologue_gemv as prologue_kernels
-from graphattn.models.llama import LlamaConfig, LlamaForCausalLM, RMSNorm
+from graphattn.models.llama import RMSNorm
 from graphattn.passes import single_row_gemv
 from graphattn.passes.prologue_gemv import PrologueGemvPass
 
@@ -168,20 +168,7 @@ def _count_launches(monkeypatch) -> collections.Counter:
 def test_compiled_llama_one_token_step_calls_the_fused_ops_and_matches(monkeypatch, tmp_path):
     monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
     calls = _count_launches(monkeypatch)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(BF16)
-    with torch.no_grad():  # norm weights away from 1, so a fold that drops them shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    model = small_bf16_llama(128, 64, 96, norms_off_one=True)
     common = dict(
         cudagraph_mode="NONE",
         attention_backend="TORCH_REF",
@@ -217,20 +204,7 @@ def test_engine_on_cuda_folds_and_matches_cublas(monkeypatch, tmp_path):
     fused ops (counted while the engine captures: a replay runs no Python), and a decode
     step's output matches an engine without the GEMV passes."""
     calls = _count_launches(monkeypatch)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to("cuda", BF16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    model = small_bf16_llama(512, 256, 512, device="cuda", norms_off_one=True)
     common = dict(
         max_num_seqs=4, max_num_tokens=64, max_model_len=128, num_blocks=32,
         cudagraph_capture_sizes=(1, 2, 4),

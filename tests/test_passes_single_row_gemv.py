@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_bf16_llama
 from torch import fx
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -97,7 +98,6 @@ def test_engine_one_token_build_runs_the_gemv_with_cublas_tokens(monkeypatch, tm
     an engine without the pass (cuBLAS).
     """
     from graphattn.kernels import gemv as gemv_module
-    from graphattn.models.llama import LlamaConfig, LlamaForCausalLM
 
     seen = set()
     launch = gemv_module.gemv
@@ -107,16 +107,8 @@ def test_engine_one_token_build_runs_the_gemv_with_cublas_tokens(monkeypatch, tm
         return launch(x, weight, *args, **kwargs)
 
     monkeypatch.setattr(gemv_module, "gemv", counting)
-    cfg = LlamaConfig(
-        vocab_size=384,  # the head [384, 256] differs from every linear in the graph
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to("cuda", BF16)
+    # the head [384, 256] differs from every linear in the graph
+    model = small_bf16_llama(384, 256, 512, device="cuda")
     common = dict(
         max_num_seqs=4,
         max_num_tokens=64,
