@@ -54,9 +54,10 @@ class CompileConfig:
         cudagraph_capture_sizes: batch sizes (tokens) to capture; None takes the default list.
         compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace).
         compile_sizes: token counts that also get a specialised Inductor build; None takes
-            (1,) on CUDA with the inductor backend, a GEMV pass (single_row_gemv or
-            prologue_gemv: the one-token build runs its linear layers as Triton GEMVs), a
-            bf16 or fp16 model and CUDA graphs that cover one token, () otherwise.
+            (1,) on CUDA with the inductor backend, a GEMV pass (single_row_gemv,
+            rms_norm_gemv or silu_mul_gemv: the one-token build runs its linear layers as
+            Triton GEMVs), a bf16 or fp16 model and CUDA graphs that cover one token, ()
+            otherwise.
         splitting_ops: op names to split the traced graph at; None takes the attention ops.
         passes: post-grad passes Inductor runs on every piece (by name).
         cache_dir: compile cache folder; None takes ``$GRAPHATTN_CACHE_DIR`` or the user cache.
@@ -80,7 +81,12 @@ class CompileConfig:
     compile_backend: str = "inductor"
     compile_sizes: tuple[int, ...] | None = None
     splitting_ops: tuple[str, ...] | None = None
-    passes: tuple[str, ...] = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")
+    passes: tuple[str, ...] = (
+        "noop_elimination",
+        "unfuse_residual_addmm",
+        "rms_norm_gemv",
+        "single_row_gemv",
+    )
     cache_dir: str | None = None
     debug_dump_path: str | None = None
     strict: bool = False
@@ -144,7 +150,7 @@ class CompileConfig:
         """
         if self.compile_sizes is not None:
             return self.compile_sizes
-        gemv_passes = {"single_row_gemv", "prologue_gemv"} & set(self.passes)
+        gemv_passes = {"single_row_gemv", "rms_norm_gemv", "silu_mul_gemv"} & set(self.passes)
         gemv = self.compile_backend == "inductor" and bool(gemv_passes)
         half = dtype in (torch.bfloat16, torch.float16)
         return (1,) if gemv and half and device.type == "cuda" and 1 in graphed_sizes else ()

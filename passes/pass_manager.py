@@ -63,13 +63,19 @@ class PostGradPassManager(CustomGraphPass):
 def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     """A manager running the passes named ``names`` in order; an unknown name is a ConfigError."""
     from graphattn.passes.noop_elimination import NoOpEliminationPass
-    from graphattn.passes.prologue_gemv import PrologueGemvPass
+    from graphattn.passes.prologue_gemv import RmsNormGemvPass, SiluMulGemvPass
     from graphattn.passes.single_row_gemv import SingleRowGemvPass
     from graphattn.passes.unfuse_addmm import UnfuseResidualAddmmPass
 
     known: dict[str, type[GraphPass]] = {
         p.name: p
-        for p in (NoOpEliminationPass, UnfuseResidualAddmmPass, PrologueGemvPass, SingleRowGemvPass)
+        for p in (
+            NoOpEliminationPass,
+            UnfuseResidualAddmmPass,
+            RmsNormGemvPass,
+            SiluMulGemvPass,
+            SingleRowGemvPass,
+        )
     }
     if isinstance(names, str):
         raise ConfigError(f"passes must be a list of pass names, got the string {names!r}")
@@ -82,9 +88,13 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
 
 # (earlier, later): a pass that rewrites what the later one matches must run first
 PASS_ORDER = (
-    ("unfuse_residual_addmm", "prologue_gemv"),  # gives back the mm of a residual linear
+    # unfuse_residual_addmm gives back the mm of a residual linear the others match
+    ("unfuse_residual_addmm", "rms_norm_gemv"),
+    ("unfuse_residual_addmm", "silu_mul_gemv"),
     ("unfuse_residual_addmm", "single_row_gemv"),
-    ("prologue_gemv", "single_row_gemv"),  # takes the mm the prologue fold needs
+    # single_row_gemv takes the mm a prologue fold needs
+    ("rms_norm_gemv", "single_row_gemv"),
+    ("silu_mul_gemv", "single_row_gemv"),
 )
 
 
@@ -97,6 +107,6 @@ def _check_order(names: list[str]) -> None:
             )
 
 
-# single_row_gemv after unfuse_residual_addmm, which turns addmm back into the mm it matches.
-# prologue_gemv (opt-in, before single_row_gemv) measured slower on an H200: see its module.
-DEFAULT_PASSES = ("noop_elimination", "unfuse_residual_addmm", "single_row_gemv")
+# The GEMV passes touch only one-token builds (compile_sizes). silu_mul_gemv is opt-in: on
+# an H200 it measured on par with the kernels it replaces (passes/prologue_gemv.py).
+DEFAULT_PASSES = ("noop_elimination", "unfuse_residual_addmm", "rms_norm_gemv", "single_row_gemv")

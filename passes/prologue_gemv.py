@@ -2,7 +2,7 @@
 SiLU-and-multiply (``graphattn/kernels/prologue_gemv.py``).
 
 In a one-token build (see ``single_row_gemv.py``) each of these ops is a kernel launch of
-~2 us that does almost nothing, between two GEMVs. The pass matches them in the post-grad
+~2 us that does almost nothing, between two GEMVs. The passes match them in the post-grad
 graph, in the forms a Llama-style model's RMSNorm and MLP decompose to:
 
     h = add(a, b)                                 # the residual stream, optional
@@ -18,16 +18,20 @@ order) and replaces the chain and the ``mm`` with one op. The residual sum ``h``
 op's second output for the rest of the graph. A chain whose intermediate values have other
 users is left alone, as is any ``mm`` ``single_row_gemv`` would not take.
 
-Opt-in (``passes=(..., "prologue_gemv", "single_row_gemv")``), not a default: on an H200 it
-took the batch-1 decode step of the Llama-3.2-1B shape from 173 to 126 kernels but from
-1.03 to 1.05 ms (docs/performance.md). Each fused GEMV program first sums h^2 over the whole
-row in a loop of dependent loads, which cost about 2.2 us a call, more than the ~1.6 us
-kernels it removes. A single-load row pass is the next thing to measure.
+Two passes, each before ``single_row_gemv`` (which would take the ``mm`` first):
+
+- ``rms_norm_gemv`` (a default): on an H200 the fused GEMV of the Llama-3.2-1B shape's
+  qkv / gate_up took 6.4 / 19.3 us where the norm kernel and the GEMV took 7.6 / 20.9
+  (``docs/results/prologue-gemv-h200.log``), and the decode step lost 32 kernels.
+- ``silu_mul_gemv`` (opt-in): 12.7 us against 12.6 for the SiLU-mul kernel and the down
+  GEMV. Each program computes SiLU over the whole K=8192 row it streams, which costs what
+  the launch it saves did.
 """
 
 from __future__ import annotations
 
 import operator
+from abc import abstractmethod
 from typing import ClassVar
 
 import torch
@@ -87,20 +91,38 @@ def _silu_mul_gemv_fake(gate_up, weight):
     return gate_up.new_empty((1, weight.shape[0]))
 
 
-class PrologueGemvPass(GraphPass):
-    """Rewrites add + RMSNorm + mm and SiLU-mul + mm of one row into prologue GEMVs."""
-
-    name: ClassVar[str] = "prologue_gemv"
+class _PrologueFold(GraphPass):
+    """Folds, where it matches, the op before each one-row ``mm`` into a prologue GEMV."""
 
     def uuid(self) -> str:  # what it matches also depends on single_row_gemv's rules
         return module_uuid(self.name, __name__, single_row_gemv.__name__)
 
     def __call__(self, graph: fx.Graph) -> int:
-        changed = 0
-        for mm, x, weight in single_row_linears(graph):
-            folded = _fold_silu_mul(graph, mm, x, weight) or _fold_rms_norm(graph, mm, x, weight)
-            changed += folded
-        return changed
+        return sum(self.fold(graph, *linear) for linear in single_row_linears(graph))
+
+    @abstractmethod
+    def fold(self, graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) -> bool:
+        """Rewrite ``mm`` (of one row ``x`` and ``weight``) and the op before it; True if done."""
+
+
+class RmsNormGemvPass(_PrologueFold):
+    """Rewrites (residual add +) RMSNorm + mm of one row into ``rms_norm_gemv`` /
+    ``add_rms_norm_gemv`` (a default pass)."""
+
+    name: ClassVar[str] = "rms_norm_gemv"
+
+    def fold(self, graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) -> bool:
+        return _fold_rms_norm(graph, mm, x, weight)
+
+
+class SiluMulGemvPass(_PrologueFold):
+    """Rewrites SiLU-and-multiply + mm of one row into ``silu_mul_gemv`` (opt-in: on par
+    with the two kernels it replaces on an H200, see the module)."""
+
+    name: ClassVar[str] = "silu_mul_gemv"
+
+    def fold(self, graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) -> bool:
+        return _fold_silu_mul(graph, mm, x, weight)
 
 
 def _fold_rms_norm(graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) -> bool:

@@ -380,6 +380,7 @@ def test_factors_are_written_next_to_the_entry(toy):
     assert factors["compiler"]["passes"] == [
         "noop_elimination",
         "unfuse_residual_addmm",
+        "rms_norm_gemv",
         "single_row_gemv",
     ]
 

@@ -106,8 +106,8 @@ def test_pass_manager_runs_passes_in_order_and_hashes_them():
 def test_unknown_pass_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown post-grad pass"):
         make_pass_manager(["noop_elimination", "fuse_everything"])
-    with pytest.raises(ConfigError, match="'prologue_gemv' must come before 'single_row_gemv'"):
-        make_pass_manager(["single_row_gemv", "prologue_gemv"])
+    with pytest.raises(ConfigError, match="'rms_norm_gemv' must come before 'single_row_gemv'"):
+        make_pass_manager(["single_row_gemv", "rms_norm_gemv"])
     with pytest.raises(ConfigError, match="'unfuse_residual_addmm' must come before"):
         make_pass_manager(["single_row_gemv", "unfuse_residual_addmm"])
     assert make_pass_manager(["single_row_gemv"]).names == ["single_row_gemv"]

@@ -24,12 +24,12 @@ from graphattn.kernels import gemv as gemv_kernels
 from graphattn.kernels import prologue_gemv as prologue_kernels
 from graphattn.models.llama import RMSNorm
 from graphattn.passes import single_row_gemv
-from graphattn.passes.prologue_gemv import PrologueGemvPass
+from graphattn.passes.prologue_gemv import RmsNormGemvPass, SiluMulGemvPass
 
 BF16 = torch.bfloat16
 ops = torch.ops.graphattn
 NO_GEMV = ("noop_elimination", "unfuse_residual_addmm")
-WITH_PROLOGUE = (*NO_GEMV, "prologue_gemv", "single_row_gemv")  # opt-in: not a default
+WITH_PROLOGUE = (*NO_GEMV, "rms_norm_gemv", "silu_mul_gemv", "single_row_gemv")
 
 
 def _graph(fn, *shapes):
@@ -48,7 +48,7 @@ def _targets(gm: fx.GraphModule) -> collections.Counter:
 
 
 def _fold(gm: fx.GraphModule) -> int:
-    changed = PrologueGemvPass()(gm.graph)
+    changed = RmsNormGemvPass()(gm.graph) + SiluMulGemvPass()(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return changed

@@ -84,7 +84,7 @@ def test_compile_sizes_default_to_one_token_on_cuda_with_the_pass_and_graphs():
     assert config.resolved_compile_sizes(cuda, graphed, torch.float16) == (1,)
     assert config.resolved_compile_sizes(cuda, graphed, torch.float32) == ()  # not rewritten
     assert config.replace(passes=("noop_elimination",)).resolved_compile_sizes(cuda, graphed) == ()
-    assert config.replace(passes=("prologue_gemv",)).resolved_compile_sizes(cuda, graphed) == (1,)
+    assert config.replace(passes=("rms_norm_gemv",)).resolved_compile_sizes(cuda, graphed) == (1,)
     assert config.replace(compile_backend="eager").resolved_compile_sizes(cuda, graphed) == ()
     assert config.replace(compile_sizes=(4, 2)).resolved_compile_sizes(cuda, ()) == (4, 2)
     assert config.replace(compile_sizes=()).resolved_compile_sizes(cuda, graphed) == ()

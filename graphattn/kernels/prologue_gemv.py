@@ -8,17 +8,21 @@ Each of these kernels does ~2 us of latency and almost no work, and the GEMV aft
 the result right back. Here the GEMV computes its own input from the op's inputs:
 
 - ``rms_norm_gemv(x, w, norm_w, eps, residual)``: ``h = x + residual`` (rounded to x's dtype,
-  written once to ``h`` for the next residual), ``n = h * rsqrt(mean(h^2) + eps) * norm_w``
-  (fp32, rounded to x's dtype), ``out = n @ w.T``. Every program first sums ``h^2`` over the
-  whole row (K elements, from L2 after the first program), then streams its weight rows.
+  written once, by program 0, for the next residual), ``out = rms_norm(h, norm_w) @ w.T``.
+  The row's ``rsqrt(mean(h^2) + eps)`` is one number, so it factors out of the product:
+  each program sums ``h^2`` and ``(h * norm_w) . w`` in fp32 in the same pass over K and
+  scales its sums once at the end. No program waits on the whole row before its first
+  weight tile (a first version did, and its fused launches were slower than the kernels
+  they replaced: docs/performance.md).
 - ``silu_mul_gemv(gate_up, w)``: ``s = silu(gate) * up`` (each rounded like the graph: SiLU
   in fp32 then to x's dtype, the product in x's dtype) over ``gate_up = [gate | up]``, then
   ``out = s @ w.T``.
 
-The roundings follow the post-grad graphs ``passes/prologue_gemv.py`` rewrites, so a fused
-step differs from the unfused one only by summation order. Weight tiles are streamed as in
-``gemv.py`` (``block_n`` rows per program, K in ``block_k`` tiles, fp32 products summed once
-after the loop).
+The SiLU product rounds as the post-grad graph ``passes/prologue_gemv.py`` rewrites does;
+the normalized row is never rounded to x's dtype (the graph rounds it once), so a fused
+norm differs from the unfused one by at most that rounding of each element, which is below
+the output's own. Weight tiles are streamed as in ``gemv.py`` (``block_n`` rows per
+program, K in ``block_k`` tiles, fp32 products summed once after the loop).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ def _launch(x, residual, h, norm_weight, weight, eps, prologue, has_residual) ->
         eps,
         PROLOGUE=prologue,
         HAS_RESIDUAL=has_residual,
+        EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         STAGES=config.num_stages,
@@ -125,6 +130,7 @@ def _prologue_gemv_kernel(
     eps,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K is whole tiles: no masks in the loop
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -132,47 +138,47 @@ def _prologue_gemv_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
-    w_rows = tl.minimum(rows, N - 1).to(tl.int64) * stride_wn  # clamped: read, never stored
+    # Clamped rows read real data, so only K needs a mask; their results are not stored.
+    w_ptrs = w_ptr + (tl.minimum(rows, N - 1).to(tl.int64) * stride_wn)[:, None] + cols[None, :]
     dtype = out_ptr.dtype.element_ty
-    rstd = 0.0
-    if PROLOGUE == 0:  # RMS_NORM: the row's mean square first (program 0 also writes h)
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            offs = k + cols
-            ok = offs < K
-            h = _residual_sum(x_ptr, res_ptr, offs, ok, HAS_RESIDUAL, dtype)
-            if HAS_RESIDUAL:  # noqa: SIM102 (constexpr branch around a runtime one)
-                if pid == 0:
-                    tl.store(h_ptr + offs, h, mask=ok)
-            hf = h.to(tl.float32)
-            sq += hf * hf
-        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMS_NORM: h^2, summed over K after the loop
+    h_len = tl.where(pid == 0, K, 0)  # program 0 writes h
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs = k + cols
         ok = offs < K
-        if PROLOGUE == 0:
-            h = _residual_sum(x_ptr, res_ptr, offs, ok, HAS_RESIDUAL, dtype).to(tl.float32)
-            nw = tl.load(norm_w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            x = (h * rstd * nw).to(dtype)
+        if PROLOGUE == 0:  # RMS_NORM: h * norm_w now, the row's rsqrt after the loop
+            h = _load(x_ptr + offs, ok, EVEN_K)
+            if HAS_RESIDUAL:
+                h = (h.to(tl.float32) + _load(res_ptr + offs, ok, EVEN_K).to(tl.float32)).to(dtype)
+                tl.store(h_ptr + offs, h, mask=offs < h_len)
+            hf = h.to(tl.float32)
+            sq += hf * hf
+            a = hf * _load(norm_w_ptr + offs, ok, EVEN_K).to(tl.float32)
         else:  # SILU_MUL
-            gate = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + offs, mask=ok, other=0.0)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-            x = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
-        w = tl.load(w_ptr + w_rows[:, None] + offs[None, :], mask=ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(dtype), mask=rows < N)
+            gate = _load(x_ptr + offs, ok, EVEN_K).to(tl.float32)
+            up = _load(x_ptr + K + offs, ok, EVEN_K).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            a = (silu * up).to(dtype).to(tl.float32)
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+        w_ptrs += BLOCK_K
+    res = tl.sum(acc, axis=1)
+    if PROLOGUE == 0:
+        res = res * tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    tl.store(out_ptr + rows, res.to(dtype), mask=rows < N)
 
 
 @triton.jit
-def _residual_sum(x_ptr, res_ptr, offs, ok, HAS_RESIDUAL: tl.constexpr, dtype: tl.constexpr):
-    """x (+ residual, summed in fp32 and rounded to the activation dtype like the graph's add)."""
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + offs, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-    return x
+def _load(ptrs, ok, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=ok, other=0.0)
+    return v
 
 
 # -- references ---------------------------------------------------------------------------
