@@ -60,47 +60,53 @@ def silu_mul(gate_up):
 
 
 def linear_rows(device, smoke: bool, reps: int, l2: int) -> list[dict]:
-    from graphattn.kernels.gemv import gemv
-    from graphattn.kernels.prologue_gemv import rms_norm_gemv, silu_mul_gemv
-
     compiled_norm = torch.compile(add_rms_norm) if not smoke else add_rms_norm
     compiled_silu = torch.compile(silu_mul) if not smoke else silu_mul
     rows = []
     for name, (n, k, prologue) in (SMOKE_LINEARS if smoke else LINEARS).items():
-        count = 2 if smoke else max(2, min(64, math.ceil(2 * l2 / (n * k * DTYPE.itemsize))))
-        gen = torch.Generator(device=device).manual_seed(n + k)
-        weights = [ab._randn((n, k), DTYPE, device, gen) for _ in range(count)]
-        width = 2 * k if prologue == "silu" else k
-        xs = [ab._randn((1, width), DTYPE, device, gen) for _ in weights]
-        residuals = [ab._randn((1, k), DTYPE, device, gen) for _ in weights]
-        norm_w = (1 + 0.1 * torch.randn(k, device=device, generator=gen)).to(DTYPE)
-        sets = list(zip(xs, residuals, weights))
-
-        def calls(fn: Callable[..., Any]) -> list[Callable[[], Any]]:
-            return [lambda x=x, r=r, w=w: fn(x, r, w) for x, r, w in sets]
-
-        variants = {
-            "gemv (input ready)": calls(lambda x, r, w: gemv(x[:, :k], w)),
-            "cuBLAS (input ready)": calls(lambda x, r, w: torch.nn.functional.linear(x[:, :k], w)),
-        }
-        if prologue == "norm":
-            variants["unfused: Inductor add+norm, gemv"] = calls(
-                lambda x, r, w: gemv(compiled_norm(x, r, norm_w)[0], w)
-            )
-            variants["fused: rms_norm_gemv"] = calls(
-                lambda x, r, w: rms_norm_gemv(x, w, norm_w, EPS, r)
-            )
-        else:
-            variants["unfused: Inductor silu-mul, gemv"] = calls(
-                lambda x, r, w: gemv(compiled_silu(x), w)
-            )
-            variants["fused: silu_mul_gemv"] = calls(lambda x, r, w: silu_mul_gemv(x, w))
-        for variant, fns in variants.items():
-            timing = ab.time_rotating(fns, device, reps, smoke)
-            rows.append({"part": "prologue_gemv", "case": f"{name} {n}x{k}", "variant": variant,
-                         "us": timing["seconds"] * 1e6, **timing})  # fmt: skip
-        del weights, sets
+        unfused = compiled_norm if prologue == "norm" else compiled_silu
+        rows += linear_case(f"{name} {n}x{k}", n, k, prologue, unfused, device, smoke, reps, l2)
         ab._release(device)
+    return rows
+
+
+def linear_case(label, n, k, prologue, unfused, device, smoke, reps, l2) -> list[dict]:
+    """Every variant of one linear: ``prologue`` is "norm" or "silu"; ``unfused`` the op
+    before the linear as the graph would compile it."""
+    from graphattn.kernels.gemv import gemv
+    from graphattn.kernels.prologue_gemv import rms_norm_gemv, silu_mul_gemv
+
+    count = 2 if smoke else max(2, min(64, math.ceil(2 * l2 / (n * k * DTYPE.itemsize))))
+    gen = torch.Generator(device=device).manual_seed(n + k)
+    weights = [ab._randn((n, k), DTYPE, device, gen) for _ in range(count)]
+    width = 2 * k if prologue == "silu" else k
+    xs = [ab._randn((1, width), DTYPE, device, gen) for _ in weights]
+    residuals = [ab._randn((1, k), DTYPE, device, gen) for _ in weights]
+    norm_w = (1 + 0.1 * torch.randn(k, device=device, generator=gen)).to(DTYPE)
+    sets = list(zip(xs, residuals, weights))
+
+    def calls(fn: Callable[..., Any]) -> list[Callable[[], Any]]:
+        return [lambda x=x, r=r, w=w: fn(x, r, w) for x, r, w in sets]
+
+    variants = {
+        "gemv (input ready)": calls(lambda x, r, w: gemv(x[:, :k], w)),
+        "cuBLAS (input ready)": calls(lambda x, r, w: torch.nn.functional.linear(x[:, :k], w)),
+    }
+    if prologue == "norm":
+        variants["unfused: Inductor add+norm, gemv"] = calls(
+            lambda x, r, w: gemv(unfused(x, r, norm_w)[0], w)
+        )
+        variants["fused: rms_norm_gemv"] = calls(
+            lambda x, r, w: rms_norm_gemv(x, w, norm_w, EPS, r)
+        )
+    else:
+        variants["unfused: Inductor silu-mul, gemv"] = calls(lambda x, r, w: gemv(unfused(x), w))
+        variants["fused: silu_mul_gemv"] = calls(lambda x, r, w: silu_mul_gemv(x, w))
+    rows = []
+    for variant, fns in variants.items():
+        timing = ab.time_rotating(fns, device, reps, smoke)
+        rows.append({"part": "prologue_gemv", "case": label, "variant": variant,
+                     "us": timing["seconds"] * 1e6, **timing})  # fmt: skip
     return rows
 
 
@@ -116,8 +122,12 @@ def argmax_rows(device, smoke: bool, reps: int) -> list[dict]:
         for logits in sets:  # the answers first
             if not torch.equal(argmax(logits), logits.argmax(-1)):
                 raise AssertionError(f"kernels.argmax differs from torch.argmax at B={b}")
-        for variant, fn in (("torch.argmax", lambda t: t.argmax(-1)), ("graphattn.greedy", ga.greedy)):
-            timing = ab.time_rotating([lambda t=t: fn(t) for t in sets], device, reps, smoke)
+        for variant, fn in (
+            ("torch.argmax", lambda t: t.argmax(-1)),
+            ("graphattn.greedy", ga.greedy),
+        ):
+            calls = [lambda t=t, fn=fn: fn(t) for t in sets]
+            timing = ab.time_rotating(calls, device, reps, smoke)
             rows.append({"part": "argmax", "case": f"[{b}, {vocab}]", "variant": variant,
                          "us": timing["seconds"] * 1e6, **timing})  # fmt: skip
     return rows
