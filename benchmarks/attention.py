@@ -216,8 +216,12 @@ def num_sms(device: torch.device) -> int:
 # -- timing ---------------------------------------------------------------------------------
 
 
-def time_rotating(calls: list[Callable[[], Any]], device, reps: int, smoke: bool) -> dict:
-    """Median seconds per call: a CUDA graph of k calls over the sets, replayed ``reps`` times."""
+def time_rotating(
+    calls: list[Callable[[], Any]], device, reps: int, smoke: bool, graph_calls: int | None = None
+) -> dict:
+    """Median seconds per call: a CUDA graph of k calls over the sets, replayed ``reps`` times.
+    k is at least ``graph_calls`` when given (the same k for every variant of a comparison),
+    else enough for ~2 ms by an eager estimate (which host overhead inflates)."""
     for call in calls:  # compile, and let SDPA pick its kernels, outside the graph
         call()
     if smoke:
@@ -226,7 +230,10 @@ def time_rotating(calls: list[Callable[[], Any]], device, reps: int, smoke: bool
         return {"seconds": time.perf_counter() - start, "method": "one eager call (smoke)"}
     torch.cuda.synchronize(device)
     one = _event_seconds(lambda: [c() for c in calls]) / len(calls)
-    repeat = max(1, math.ceil(2e-3 / max(one, 1e-7) / len(calls)))  # >= ~2 ms per replay
+    if graph_calls is not None:
+        repeat = max(1, math.ceil(graph_calls / len(calls)))
+    else:
+        repeat = max(1, math.ceil(2e-3 / max(one, 1e-7) / len(calls)))  # >= ~2 ms per replay
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(repeat):

@@ -1,11 +1,11 @@
 """Greedy sampling: the argmax of each row of the logits, fast for a decode step's few rows.
 
 ``torch.argmax`` over a ``[B, 128256]`` bf16 tensor with a small B reduces each row in a
-single thread block: 26 us at B = 1 on an H200, 3% of a 1B model's decode step. On CUDA
+single thread block: 27 us at B = 1 on an H200, 3% of a 1B model's decode step. On CUDA
 ``greedy`` runs ``graphattn.kernels.argmax`` instead, which reads each row in 2048-wide
-chunks in parallel and then picks the best chunk: 3.5 us at B = 1, 22 us at B = 128
-against torch's 39 (``docs/results/prologue-gemv-h200.log``). Same answer: the first
-maximal index, NaN counting as the maximum, as ``torch.argmax`` does.
+chunks in parallel and then picks the best chunk: 3.6 us at B = 1, 22 us at B = 128
+against torch's 39 (``docs/results/fused-ops-h200.log``). Same answer: the first maximal
+index, NaN counting as the maximum, as ``torch.argmax`` does.
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 
 from graphattn.errors import InvalidInputError
+from graphattn.kernels.checks import FLOAT_DTYPES
+
+# Where greedy runs the Triton kernel (tests add "cpu": the interpreter runs it there).
+KERNEL_DEVICES: tuple[str, ...] = ("cuda",)
+_MAX_VOCAB = 2**31 - 1  # graphattn.kernels.argmax.MAX_VOCAB, without importing Triton here
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -23,12 +28,16 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
             f"{logits.dtype} of shape {list(logits.shape)}"
         )
     rows, vocab = logits.shape
-    triton_ok = logits.is_cuda and logits.dtype in _TRITON_DTYPES and vocab < 2**31
-    if not triton_ok or rows == 0 or vocab == 0 or logits.stride(1) != 1:
+    kernel_ok = (
+        logits.device.type in KERNEL_DEVICES
+        and logits.dtype in FLOAT_DTYPES
+        and 1 <= vocab <= _MAX_VOCAB
+        and rows > 0
+        and logits.stride(1) == 1
+    )
+    if not kernel_ok:
         return logits.argmax(-1)
+    # imported here so that `import graphattn` does not import Triton
     from graphattn.kernels.argmax import argmax
 
     return argmax(logits)
-
-
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

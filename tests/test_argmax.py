@@ -36,16 +36,32 @@ def test_argmax_matches_torch(vocab, dtype):
     assert torch.equal(got, logits.argmax(-1))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [1, 300, 2048, 2049, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_matches_torch_on_the_gpu(vocab, dtype):
+    logits = _special_rows(vocab, dtype).cuda()
+    for block in (BLOCK, 2048):  # many chunks, and the default
+        assert torch.equal(argmax(logits, block=block), logits.argmax(-1))
+
+
+SPECIALS = torch.tensor([float("nan"), float("inf"), float("-inf")])
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 4),
     vocab=st.integers(1, 3 * BLOCK + 7),
     levels=st.integers(1, 6),  # few distinct values: many ties
+    specials=st.integers(0, 4),  # NaN / inf / -inf entries dropped in at random places
     seed=st.integers(0, 2**16),
 )
-def test_argmax_on_random_ties(rows, vocab, levels, seed):
+def test_argmax_on_random_ties_and_specials(rows, vocab, levels, specials, seed):
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randint(0, levels, (rows, vocab), generator=gen).to(torch.bfloat16)
+    logits = torch.randint(0, levels, (rows, vocab), generator=gen).float()
+    where = torch.randint(0, rows * vocab, (specials,), generator=gen)
+    logits.view(-1)[where] = SPECIALS[torch.randint(0, 3, (specials,), generator=gen)]
+    logits = logits.to(torch.bfloat16)
     assert torch.equal(argmax(logits, block=BLOCK), logits.argmax(-1))
 
 
@@ -58,7 +74,9 @@ def test_row_strides_and_bad_input():
         argmax(wide.t())
     with pytest.raises(TypeError, match="logits must have dtype"):
         argmax(torch.zeros(2, 8, dtype=torch.int64))
-    with pytest.raises(ValueError, match="vocabulary of at least 1"):
+    with pytest.raises(ValueError, match=r"vocabulary of 1 to 2\*\*31 - 1, got shape \[2, 0\]"):
         argmax(torch.randn(2, 0))
+    with pytest.raises(ValueError, match="block must be a power of two, got 48"):
+        argmax(torch.randn(2, 100), block=48)
     with pytest.raises(ValueError, match=r"logits must be \[num_tokens, vocab\]"):
         argmax(torch.randn(8))

@@ -108,6 +108,10 @@ def test_unknown_pass_is_a_config_error():
         make_pass_manager(["noop_elimination", "fuse_everything"])
     with pytest.raises(ConfigError, match="'rms_norm_gemv' must come before 'single_row_gemv'"):
         make_pass_manager(["single_row_gemv", "rms_norm_gemv"])
+    with pytest.raises(ConfigError, match="'silu_mul_gemv' must come before 'single_row_gemv'"):
+        make_pass_manager(["single_row_gemv", "silu_mul_gemv"])
+    with pytest.raises(ConfigError, match="'unfuse_residual_addmm' must come before 'silu_mul"):
+        make_pass_manager(["silu_mul_gemv", "unfuse_residual_addmm"])
     with pytest.raises(ConfigError, match="'unfuse_residual_addmm' must come before"):
         make_pass_manager(["single_row_gemv", "unfuse_residual_addmm"])
     assert make_pass_manager(["single_row_gemv"]).names == ["single_row_gemv"]

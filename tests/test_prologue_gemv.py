@@ -1,11 +1,14 @@
 """The prologue GEMVs (graphattn.kernels.prologue_gemv) against the unfused ops.
 
 The reference runs the prologue in the graph's order and dtypes (``rms_norm_gemv_ref``, and
-SiLU-and-multiply written out) and the product in float64. The prologue's result is rounded to the
-activation dtype before the product on both sides, and the two may round an element
-differently (rsqrt and the mean square summed in another order; the interpreter truncates
-instead of rounding), so the bound is three unit roundoffs: one for the output's rounding,
-two for prologue elements that land on the other side of a rounding boundary.
+SiLU-and-multiply written out) and the product in float64, over the prologue's result rounded
+to the activation dtype as the unfused graph rounds it. The error is measured per output
+element relative to ``|prologue| @ |weight.T|``, so a prologue element that differs by a
+fraction of a unit moves the output by at most that fraction of the scale. The bound is
+three unit roundoffs: one for the output's own rounding, one for the normalised row, which
+the fused norm never rounds (the reference rounds it once), and one for elements the two
+sides compute slightly differently (rsqrt, the mean square and exp in another order; the
+interpreter truncates instead of rounding).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from graphattn.kernels.prologue_gemv import (
 )
 
 UNIT = {torch.float16: 2**-11, torch.bfloat16: 2**-8}
-SHAPES = [(1, 8), (97, 200), (130, 520)]  # (N, K): K below, across and past one 512 tile
+# (N, K): K below one 512 tile, across one, past one, and whole tiles (no masks in the loop)
+SHAPES = [(1, 8), (97, 200), (130, 520), (97, 1024)]
 LLAMA = [(3072, 2048), (16384, 2048)]  # qkv and gate_up after a norm (N, K)
 
 
@@ -103,6 +107,11 @@ def test_silu_mul_gemv_matches_the_unfused_ops(n, k, dtype):
         ),
         (lambda x, w, nw, r: rms_norm_gemv(x, w, nw, 1e-5, r[:, :-1]), ValueError, "residual"),
         (lambda x, w, nw, r: silu_mul_gemv(x, w), ValueError, "gate_up dim 1"),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w[:0], nw, 1e-5, r),
+            ValueError,
+            r"weight dim 0 \(N\)",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected(call, error, message):

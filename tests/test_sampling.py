@@ -1,4 +1,6 @@
-"""graphattn.greedy: the same tokens as torch.argmax, on every path it takes."""
+"""graphattn.greedy: the same tokens as torch.argmax, through the Triton kernel where it
+applies (on the CPU under the interpreter, with "cpu" added to its devices) and through
+torch.argmax elsewhere."""
 
 from __future__ import annotations
 
@@ -6,29 +8,55 @@ import pytest
 import torch
 
 import graphattn as ga
+from graphattn import sampling
+from graphattn.kernels import argmax as argmax_module
 
 
-@pytest.mark.parametrize("vocab", [128256, 4099, 100])
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Let greedy run the kernel on the CPU, and count the rows it ran."""
+    monkeypatch.setattr(sampling, "KERNEL_DEVICES", ("cuda", "cpu"))
+    calls = []
+    launch = argmax_module.argmax
+
+    def counting(logits, *args, **kwargs):
+        calls.append(logits.shape[0])
+        return launch(logits, *args, **kwargs)
+
+    monkeypatch.setattr(argmax_module, "argmax", counting)
+    return calls
+
+
+@pytest.mark.parametrize("vocab", [4099, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_is_argmax(
-    vocab, dtype
-):  # on the CPU: torch.argmax (tests/test_argmax.py: the kernel)
+def test_greedy_runs_the_kernel_and_matches_argmax(kernel_calls, vocab, dtype):
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=gen).to(dtype)
-    # ties: the first maximal index wins, across chunks and within one
+    # ties: the first maximal index wins, across the kernel's 2048-wide chunks and within one
     logits[1, 7] = logits[1, vocab - 3] = logits[1, vocab // 2] = 100.0
     logits[2, 1:3] = 100.0
     logits[3] = 0.0
     logits[4, vocab - 1] = 1000.0  # the last entry
-    assert torch.equal(ga.greedy(logits), logits.argmax(-1))
-    assert ga.greedy(logits)[1] == 7 and ga.greedy(logits)[2] == 1
+    got = ga.greedy(logits)
+    assert kernel_calls == [5]
+    assert torch.equal(got, logits.argmax(-1))
+    assert got[1] == 7 and got[2] == 1
 
 
-def test_greedy_takes_views_empty_batches_and_rejects_bad_input():
-    logits = torch.randn(4, 2 * 4096)
-    view = logits[:, :4096]  # not contiguous: the plain argmax
-    assert torch.equal(ga.greedy(view), view.argmax(-1))
-    assert ga.greedy(torch.randn(0, 4096)).shape == (0,)
+def test_greedy_falls_back_to_torch_where_the_kernel_does_not_apply(kernel_calls):
+    wide = torch.randn(4, 2 * 300)
+    view = wide[:, 10:310]  # rows 600 apart, unit stride: the kernel takes it
+    assert torch.equal(ga.greedy(view), view.argmax(-1)) and kernel_calls == [4]
+    kernel_calls.clear()
+    column = wide.t()[:300]  # stride 600 along the vocabulary: torch.argmax
+    assert torch.equal(ga.greedy(column), column.argmax(-1))
+    assert ga.greedy(torch.randn(0, 300)).shape == (0,)  # no rows: torch.argmax
+    assert kernel_calls == []
+
+
+def test_greedy_without_the_kernel_and_bad_input():
+    logits = torch.randn(3, 50)
+    assert torch.equal(ga.greedy(logits), logits.argmax(-1))  # the CPU: torch.argmax
     with pytest.raises(ga.InvalidInputError, match="floating-point logits"):
         ga.greedy(torch.zeros(2, 8, dtype=torch.int64))
     with pytest.raises(ga.InvalidInputError, match=r"shape \[8\]"):
@@ -41,7 +69,8 @@ def test_gpu_greedy_is_argmax_and_faster():
     for rows in (1, 8, 128):
         logits = torch.randn(rows, 128256, generator=gen).to("cuda", torch.bfloat16)
         logits[0, 5] = logits[0, 100000] = 50.0  # a tie across chunks
-        logits[-1, 70000] = logits[-1, 90000] = float("nan")  # the first NaN (rows 8, 128)
+        if rows > 1:
+            logits[-1, 70000] = logits[-1, 90000] = float("nan")  # the first NaN
         assert torch.equal(ga.greedy(logits), logits.argmax(-1))
     wide = torch.randn(4, 2 * 128256, device="cuda")
     assert torch.equal(ga.greedy(wide[:, 5:128261]), wide[:, 5:128261].argmax(-1))

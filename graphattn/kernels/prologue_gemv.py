@@ -34,6 +34,7 @@ import triton.language as tl
 from graphattn.kernels.checks import (
     expect_dim,
     expect_dtype,
+    expect_min_dim,
     expect_ndim,
     expect_same_device,
     expect_unit_last_stride,
@@ -112,6 +113,7 @@ def _check_row(name: str, t: torch.Tensor, weight: torch.Tensor, k: int) -> None
     expect_dtype(name, t, PROLOGUE_DTYPES)
     expect_dtype("weight", weight, (t.dtype,))
     expect_ndim("weight", weight, 2, "[N, K]")
+    expect_min_dim("weight", weight, 0, 1, "N")  # no program would run, h would stay unwritten
     if not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous, got strides {list(weight.stride())}")
 
