@@ -3,8 +3,8 @@
 ``torch.argmax`` over a ``[B, 128256]`` bf16 tensor with a small B reduces each row in a
 single thread block: 27 us at B = 1 on an H200, 3% of a 1B model's decode step. On CUDA
 ``greedy`` runs ``graphattn.kernels.argmax`` instead, which reads each row in 2048-wide
-chunks in parallel and then picks the best chunk: 3.6 us at B = 1, 22 us at B = 128
-against torch's 39 (``docs/results/fused-ops-h200.log``). Same answer: the first maximal
+chunks in parallel and then picks the best chunk: 3.1 us at B = 1, 21 us at B = 128
+against torch's 38 (``docs/results/fused-ops-h200.log``). Same answer: the first maximal
 index, NaN counting as the maximum, as ``torch.argmax`` does.
 """
 
