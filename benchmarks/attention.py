@@ -533,18 +533,12 @@ def main(argv: list[str] | None = None) -> int:
             _release(device)
     result = {"meta": meta(st, copy_tbps), "rows": rows, "sweep": sweep,
               "targets": check_targets(rows, args.smoke), "wall_seconds": time.perf_counter() - start}  # fmt: skip
-    out_path = Path(
-        args.out
-        or (
-            Path(os.environ["OUT"]) / "attention.json"
-            if os.environ.get("OUT")
-            else "attention.json"
-        )
-    )
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1, default=str))
     print_report(result)
-    print(f"JSON: {out_path}")
+    if args.out or not args.smoke:  # a smoke run writes nothing unless asked to
+        out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "attention.json")
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1, default=str))
+        print(f"JSON: {out_path}")
     return 0
 
 
@@ -581,7 +575,10 @@ def _release(device: torch.device) -> None:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", help="JSON path (default $OUT/attention.json, else ./attention.json)")
+    p.add_argument(
+        "--out",
+        help="JSON path (default $OUT/attention.json, else ./attention.json; none for --smoke)",
+    )
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU interpreter; no results"
     )
