@@ -20,8 +20,9 @@ the result right back. Here the GEMV computes its own input from the op's inputs
 
 The SiLU product rounds as the post-grad graph ``passes/prologue_gemv.py`` rewrites does;
 the normalized row is never rounded to x's dtype (the graph rounds it once), so a fused
-norm differs from the unfused one by at most that rounding of each element, which is below
-the output's own. Weight tiles are streamed as in ``gemv.py`` (``block_n`` rows per
+norm differs from the unfused one by at most that rounding of each element: one unit of
+``|n| @ |w.T|`` (tests/test_prologue_gemv.py holds both folds to three units with the
+output's own rounding). Weight tiles are streamed as in ``gemv.py`` (``block_n`` rows per
 program, K in ``block_k`` tiles, fp32 products summed once after the loop).
 """
 
