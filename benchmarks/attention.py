@@ -550,13 +550,7 @@ def print_report(result: dict) -> None:
             "\nsweep (TRITON on the target cases; variant = block_m, tile_n, warps, stages, splits):"
         )
         print(table(result["sweep"], m["copy_TBps"]))
-    print(
-        f"\n{m['gpu']} ({m['num_sms']} SMs), torch {m['torch']}, triton {m['triton']}, {m['date']}"
-    )
-    if m["smoke"]:
-        print("SMOKE RUN (CPU, Triton interpreter): timings are not performance results")
-    if m["copy_TBps"]:
-        print(f"device copy bandwidth: {m['copy_TBps']:.2f} TB/s (read + written)")
+    print_header(m)
     print("decode rate = K+V bytes / time; prefill rate = batch*4*seq^2*heads*dim/2 FLOPs / time")
     print("rel err = relative Frobenius error against fp32 attention on the same values")
     print(table(result["rows"], m["copy_TBps"]))
@@ -565,6 +559,17 @@ def print_report(result: dict) -> None:
         value = "-" if t["value"] is None else f"{t['value']:.2f}"
         print(f"  {t['case']:16s} {t['target']:16s} {value:>8s}  {t['verdict']}")
     print(f"wall time {result['wall_seconds']:.0f} s")
+
+
+def print_header(m: dict) -> None:
+    """The device, versions and date of a result's meta, a smoke warning, the copy bandwidth."""
+    print(
+        f"\n{m['gpu']} ({m['num_sms']} SMs), torch {m['torch']}, triton {m['triton']}, {m['date']}"
+    )
+    if m["smoke"]:
+        print("SMOKE RUN (CPU, Triton interpreter): timings are not performance results")
+    if m["copy_TBps"]:
+        print(f"device copy bandwidth: {m['copy_TBps']:.2f} TB/s (read + written)")
 
 
 def _release(device: torch.device) -> None:

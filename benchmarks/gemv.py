@@ -261,13 +261,7 @@ def table(rows: list[dict], copy_tbps: float | None) -> str:
 
 def print_report(result: dict) -> None:
     m = result["meta"]
-    print(
-        f"\n{m['gpu']} ({m['num_sms']} SMs), torch {m['torch']}, triton {m['triton']}, {m['date']}"
-    )
-    if m["smoke"]:
-        print("SMOKE RUN (CPU, Triton interpreter): timings are not performance results")
-    if m["copy_TBps"]:
-        print(f"device copy bandwidth: {m['copy_TBps']:.2f} TB/s (read + written)")
+    ab.print_header(m)
     print(
         "TB/s = weight bytes / time; '* ' = the best sweep config of the case (all rows in the JSON)"
     )
