@@ -1479,20 +1479,33 @@ def table_startup(data: dict) -> list[str]:
     for name in ("cold", "warm"):
         r = e.get(name) or {}
         if r.get("status", "ok") != "ok":
-            rows.append([name, r.get("status", "")[:80], "", "", "", "", ""])
+            rows.append([name, r.get("status", "")[:80], "", "", "", "", "", "", ""])
             continue
+        compile_info = r.get("compile") or {}
         rows.append(
             [
                 name,
                 _f(r.get("compile_s")),
+                _f(compile_info.get("trace_seconds")),
                 _f(r.get("capture_s")),
                 _f(r.get("graph_memory_mib"), ".0f"),
                 _f(r.get("ga_compile_s")),
                 _f(r.get("process_s")),
                 str(r.get("compile_warm")),
+                str(compile_info.get("trace_source", "")),
             ]
         )
-    header = ["process", "compile s", "capture s", "graph MiB", "ga.compile s", "process s", "warm"]
+    header = [
+        "process",
+        "compile s",
+        "trace s",
+        "capture s",
+        "graph MiB",
+        "ga.compile s",
+        "process s",
+        "warm",
+        "trace from",
+    ]
     lines += _rows_table(header, rows)
     sizes = (e.get("cold") or {}).get("capture_sizes")
     if sizes:

@@ -61,10 +61,14 @@ class CompileConfig:
         splitting_ops: op names to split the traced graph at; None takes the attention ops.
         passes: post-grad passes Inductor runs on every piece (by name).
         cache_dir: compile cache folder; None takes ``$GRAPHATTN_CACHE_DIR`` or the user cache.
+        trace_cache: save the Dynamo trace with the compiled pieces, so a warm start skips
+            Dynamo (the key covers the model's source, attributes and tensors; turn it off
+            for a model whose code reads globals that change at run time).
         debug_dump_path: folder for decompiled code, graphs and Inductor output.
     Behaviour:
         strict: raise instead of lowering the mode (a fallback becomes an error).
-        debug: extra checks (input addresses at replay, recompiles raise).
+        debug: extra checks (input addresses at replay, recompiles raise, a warm start
+            traces anyway and compares with the trace cache's graph).
         seed: seed for the example prompts of the demo and benchmark.
     """
 
@@ -88,6 +92,7 @@ class CompileConfig:
         "single_row_gemv",
     )
     cache_dir: str | None = None
+    trace_cache: bool = True
     debug_dump_path: str | None = None
     strict: bool = False
     debug: bool = field(default_factory=envs.debug)
@@ -124,6 +129,8 @@ class CompileConfig:
                     f"splitting_ops must be a list of op names, got {self.splitting_ops!r}"
                 )
             self._set("splitting_ops", tuple(self.splitting_ops))
+        if not isinstance(self.trace_cache, bool):
+            raise ConfigError(f"trace_cache must be True or False, got {self.trace_cache!r}")
         if isinstance(self.passes, str) or not all(isinstance(p, str) for p in self.passes):
             raise ConfigError(f"passes must be a list of pass names, got {self.passes!r}")
         self._set("passes", tuple(self.passes))

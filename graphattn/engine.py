@@ -218,6 +218,8 @@ class CompiledModel:
             strict=c.strict or c.debug,
             cache_factors=self._cache_factors(),
             passes=c.passes,
+            trace_cache=c.trace_cache,
+            verify_trace_cache=c.debug,
         )
         n = c.max_num_tokens
         example = (self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n])

@@ -49,6 +49,8 @@ class Trace:
     signature: InputSignature
     output: torch.Tensor
     seconds: float
+    # source files of every code object Dynamo traced (the trace cache re-checks them)
+    traced_files: tuple[str, ...] = ()
 
 
 def trace_model(
@@ -66,6 +68,7 @@ def trace_model(
 
     def keep_graph(gm: fx.GraphModule, example_inputs: list[Any]):
         captured["gm"], captured["inputs"] = gm, list(example_inputs)
+        captured["files"] = _traced_files()
 
         def run(*args: Any):
             # Nothing reads the traced call's values (the step runs the compiled pieces), so
@@ -92,7 +95,8 @@ def trace_model(
     _check_single_tensor_output(output, captured["graph_output"])
     binding = InputBinding(gm, inputs, input_ids, positions)
     signature = InputSignature.of(gm, inputs, input_ids, positions)
-    return Trace(gm, binding, signature, output, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return Trace(gm, binding, signature, output, seconds, captured["files"])
 
 
 class InputBinding:
@@ -125,6 +129,20 @@ class InputBinding:
                 self.template[i] = None
             else:
                 _check_static(node, value)
+
+    @classmethod
+    def restore(
+        cls,
+        template: list[Any],
+        tensor_slots: list[tuple[int, int]],
+        size_slots: list[tuple[int, int, int]],
+    ) -> InputBinding:
+        """A binding from its parts (the trace cache saves them in place of a trace)."""
+        binding = cls.__new__(cls)
+        binding.template = list(template)
+        binding.tensor_slots = [tuple(s) for s in tensor_slots]
+        binding.size_slots = [tuple(s) for s in size_slots]
+        return binding
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[Any]:
         steps = (input_ids, positions)
@@ -181,6 +199,19 @@ def describe_inputs(input_ids: Any, positions: Any) -> str:
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+
+def _traced_files() -> tuple[str, ...]:
+    """Files of the code objects the running Dynamo trace inlined; () where this torch
+    does not record them (the trace cache is then not written).
+    """
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    codes = getattr(context, "traced_code", None) if context is not None else None
+    if not codes:
+        return ()
+    return tuple(sorted({code.co_filename for code in codes}))
 
 
 def _size_source(

@@ -60,7 +60,7 @@ class CompileCache:
                 blob = f.read()
         except FileNotFoundError:
             return None
-        payload = _unpack(blob)
+        payload = unpack(blob)
         if payload is None:
             return self._discard(path, "its checksum does not match (corrupt or half-written)")
         try:
@@ -73,7 +73,7 @@ class CompileCache:
         saved (the build still runs; it is just compiled again next time).
         """
         try:
-            write_atomic(self.path(name), _pack(_save_artifact(artifact, self.pieces_dir)))
+            write_atomic(self.path(name), pack(_save_artifact(artifact, self.pieces_dir)))
         except Exception as e:  # unsaveable graph, full disk, read-only folder: all alike
             logger.warning(
                 "compile cache: cannot save piece %s (%s: %s)", name, type(e).__name__, e
@@ -93,24 +93,24 @@ def hash_factors(factors: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:_KEY_CHARS]
 
 
-def cache_factors(
-    engine_factors: dict[str, Any],
-    model: torch.nn.Module,
-    gm: fx.GraphModule,
-    pass_uuid: str,
-    compiler_settings: dict[str, Any],
+def base_factors(
+    engine_factors: dict[str, Any], pass_uuid: str, compiler_settings: dict[str, Any]
 ) -> dict[str, Any]:
-    """Everything the compiled pieces depend on, as JSON-able values."""
+    """What the compiled pieces depend on besides the model's source: JSON-able values."""
     return {
         "engine": engine_factors,
         "compiler": compiler_settings,
-        "model_sources": source_hashes(model_source_files(model, gm)),
         "graphattn_compiler_source": source_hashes(_compiler_files()),
         "post_grad_passes": pass_uuid,
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": sys.version.split()[0],
     }
+
+
+def cache_factors(base: dict[str, Any], model: torch.nn.Module, gm: fx.GraphModule) -> dict:
+    """Everything the compiled pieces depend on: ``base`` and the traced model's sources."""
+    return base | {"model_sources": source_hashes(model_source_files(model, gm))}
 
 
 def model_source_files(model: torch.nn.Module, gm: fx.GraphModule) -> list[str]:
@@ -129,12 +129,12 @@ def model_source_files(model: torch.nn.Module, gm: fx.GraphModule) -> list[str]:
 
 def source_hashes(paths: Iterable[str]) -> list[str]:
     """``["name.py:sha256-prefix", ...]``: file contents, not locations, enter the key."""
-    entries = []
-    for path in paths:
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
-        entries.append(f"{os.path.basename(path)}:{digest}")
-    return sorted(entries)
+    return sorted(f"{os.path.basename(p)}:{file_digest(p)[:16]}" for p in paths)
+
+
+def file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -154,15 +154,17 @@ def write_atomic(path: str, data: bytes) -> None:
 # -- entry format -------------------------------------------------------------------------
 
 
-def _pack(payload: bytes) -> bytes:
-    return _MAGIC + hashlib.sha256(payload).digest() + payload
+def pack(payload: bytes, magic: bytes = _MAGIC) -> bytes:
+    """``magic``, the payload's SHA-256, the payload."""
+    return magic + hashlib.sha256(payload).digest() + payload
 
 
-def _unpack(blob: bytes) -> bytes | None:
-    head = len(_MAGIC) + _DIGEST_BYTES
-    if len(blob) < head or not blob.startswith(_MAGIC):
+def unpack(blob: bytes, magic: bytes = _MAGIC) -> bytes | None:
+    """The payload of a ``pack`` blob, or None when its magic or checksum is wrong."""
+    head = len(magic) + _DIGEST_BYTES
+    if len(blob) < head or not blob.startswith(magic):
         return None
-    digest, payload = blob[len(_MAGIC) : head], blob[head:]
+    digest, payload = blob[len(magic) : head], blob[head:]
     return payload if hashlib.sha256(payload).digest() == digest else None
 
 

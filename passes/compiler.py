@@ -24,13 +24,14 @@ from graphattn.attention.forward_context import (
     set_forward_context,
 )
 from graphattn.errors import ConfigError, InvalidInputError, RecompileError
-from graphattn.passes.backend import describe_inputs, trace_model
-from graphattn.passes.cache import CompileCache, cache_factors
+from graphattn.passes.backend import Trace, describe_inputs, trace_model
+from graphattn.passes.cache import CompileCache, base_factors, cache_factors, model_source_files
 from graphattn.passes.debug import DebugDump
 from graphattn.passes.inductor import compile_count
 from graphattn.passes.pass_manager import DEFAULT_PASSES, PostGradPassManager, make_pass_manager
-from graphattn.passes.piecewise import CompiledPiece, PieceCompiler, PiecewiseRuntime
+from graphattn.passes.piecewise import CompiledPiece, NotCached, PieceCompiler, PiecewiseRuntime
 from graphattn.passes.split import SplitGraph, resolve_splitting_ops, split_graph
+from graphattn.passes.trace_cache import TraceCache, graph_code, make_entry, restore, trace_key
 
 COMPILE_BACKENDS = ("inductor", "eager")
 
@@ -62,6 +63,8 @@ class CompileOptions:
     strict: bool = False  # a recompile after start-up raises RecompileError
     cache_factors: dict[str, Any] = field(default_factory=dict)  # engine config entering the key
     passes: tuple[str, ...] = DEFAULT_PASSES  # post-grad passes Inductor runs on each piece
+    trace_cache: bool = True  # save the trace with the pieces; a warm start skips Dynamo
+    verify_trace_cache: bool = False  # trace anyway and compare with the saved trace
 
 
 @dataclass
@@ -80,6 +83,8 @@ class CompileInfo:
     num_distinct_graphs: int = 0  # compiled pieces with different graphs (each built once)
     compile_sizes: list[int] = field(default_factory=list)  # sizes with specialised builds
     trace_seconds: float = 0.0
+    trace_source: str = "dynamo"  # "dynamo", or "trace cache" (no Dynamo trace ran)
+    trace_cache: str = ""  # what the trace cache did: loaded, saved, or why neither
     backend: str = ""
     passes: list[str] = field(default_factory=list)
     debug_dump_dir: str = ""
@@ -160,21 +165,51 @@ def compile_model(
     ops, passes = _check_options(options)
     dump = DebugDump(options.debug_dump_path) if options.debug_dump_path else None
     input_ids, positions = _trace_inputs(example_inputs)
-    trace = trace_model(model, input_ids, positions, dump.bytecode_hook if dump else None)
-    logger.info("graphattn compile: traced %s in %.2f s", type(model).__name__, trace.seconds)
-    split = _split(trace.graph_module, ops, dump)
-    cache = _open_cache(options, model, trace.graph_module, passes, input_ids.shape[0])
-    compiler = PieceCompiler(options.compile_backend, passes, cache, dump)
-    runtime = PiecewiseRuntime(trace, split, compiler)
-    runtime(input_ids, positions)  # once through the compiled pieces, at start-up
-    sizes = _specialise(runtime, compiler, options, input_ids, positions)
+    base = _base_factors(options, passes, input_ids.shape[0])
+    traces, key, note = _open_trace_cache(options, model, base, input_ids, positions)
+    built = None
+    if traces is not None:
+        built, note = _from_trace_cache(
+            traces, key, model, options, ops, passes, input_ids, positions
+        )
+    trace = None
+    if built is None or options.verify_trace_cache:
+        trace = trace_model(model, input_ids, positions, dump.bytecode_hook if dump else None)
+        logger.info("graphattn compile: traced %s in %.2f s", type(model).__name__, trace.seconds)
+        split = _split(trace.graph_module, ops, dump)
+        if built is not None:
+            built, note = _verified(built, split, note)
+    if built is None:
+        cache = _open_cache(options, cache_factors(base, model, trace.graph_module))
+        compiler = PieceCompiler(options.compile_backend, passes, cache, dump)
+        runtime = PiecewiseRuntime(trace.binding, trace.signature, split, compiler)
+        runtime(input_ids, positions)  # once through the compiled pieces, at start-up
+        sizes = _specialise(runtime, compiler, options, input_ids, positions)
+        if traces is not None:
+            note = _save_trace(traces, key, note, trace, split, compiler, cache, model)
+        built = _Built(runtime, compiler, cache, sizes)
+    runtime, compiler = built.runtime, built.compiler
     _wrap_pieces(runtime, piece_wrapper)
-    info = _info(options, split, compiler, cache, passes, dump, trace.seconds, sizes)
+    info = _info(options, runtime.split, compiler, built.cache, passes, dump, built.sizes)
+    info.trace_seconds = trace.seconds if trace is not None else 0.0
+    info.trace_source = "dynamo" if built.from_dynamo else "trace cache"
+    info.trace_cache = note
     info.seconds = time.perf_counter() - start
     info.inductor_compiles = compile_count() - compiles_before
     _log_compiled(info)
     retrace = _retracer(model, ops, compiler, piece_wrapper)
     return CompiledForward(runtime, info, retrace, options.strict)
+
+
+@dataclass
+class _Built:
+    """A runtime with every piece built and specialised, and what built it."""
+
+    runtime: PiecewiseRuntime
+    compiler: PieceCompiler
+    cache: CompileCache | None
+    sizes: list[int]
+    from_dynamo: bool = True
 
 
 # -- phases -------------------------------------------------------------------------------
@@ -193,7 +228,8 @@ def _retracer(
     def retrace(ids: torch.Tensor, pos: torch.Tensor) -> tuple[PiecewiseRuntime, torch.Tensor]:
         with _profile_context():  # attention reads and writes nothing
             again = trace_model(model, *_at_least_two_tokens(ids, pos))
-        rebuilt = PiecewiseRuntime(again, split_graph(again.graph_module, ops), compiler)
+        split = split_graph(again.graph_module, ops)
+        rebuilt = PiecewiseRuntime(again.binding, again.signature, split, compiler)
         _wrap_pieces(rebuilt, piece_wrapper)
         return rebuilt, rebuilt(ids, pos)
 
@@ -267,15 +303,9 @@ def _split(gm: torch.fx.GraphModule, ops: frozenset[str], dump: DebugDump | None
     return split
 
 
-def _open_cache(
-    options: CompileOptions,
-    model: torch.nn.Module,
-    gm: torch.fx.GraphModule,
-    passes: PostGradPassManager,
-    trace_tokens: int,
-) -> CompileCache | None:
-    if options.compile_backend == "eager":  # nothing compiled, nothing to cache
-        return None
+def _base_factors(
+    options: CompileOptions, passes: PostGradPassManager, trace_tokens: int
+) -> dict[str, Any]:
     settings = {
         "splitting_ops": sorted(resolve_splitting_ops(options.splitting_ops)),
         "backend": options.compile_backend,
@@ -283,7 +313,12 @@ def _open_cache(
         # Inductor tunes the dynamic build for the traced size (its size hint)
         "trace_tokens": trace_tokens,
     }
-    factors = cache_factors(options.cache_factors, model, gm, passes.uuid(), settings)
+    return base_factors(options.cache_factors, passes.uuid(), settings)
+
+
+def _open_cache(options: CompileOptions, factors: dict[str, Any]) -> CompileCache | None:
+    if options.compile_backend == "eager":  # nothing compiled, nothing to cache
+        return None
     root = options.cache_dir or envs.cache_root()
     try:
         return CompileCache(root, factors)
@@ -292,6 +327,102 @@ def _open_cache(
             "graphattn compile: no compile cache in %s (%s); compiling every piece", root, e
         )
         return None
+
+
+def _open_trace_cache(
+    options: CompileOptions,
+    model: torch.nn.Module,
+    base: dict[str, Any],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[TraceCache | None, str, str]:
+    """The trace cache and this model's key in it, or None and why it is off."""
+    if not options.trace_cache:
+        return None, "", "off (trace_cache=False)"
+    if options.compile_backend != "inductor":
+        return None, "", "off (it serves the inductor backend)"
+    if options.debug_dump_path:
+        return None, "", "off (debug_dump_path is set: the dump needs a trace)"
+    root = options.cache_dir or envs.cache_root()
+    try:
+        traces = TraceCache(root)
+    except OSError as e:
+        return None, "", f"off (no folder in {root}: {e})"
+    factors = base | {"compile_sizes": sorted(set(options.compile_sizes))}
+    return traces, trace_key(factors, model, input_ids, positions), ""
+
+
+def _from_trace_cache(
+    traces: TraceCache,
+    key: str,
+    model: torch.nn.Module,
+    options: CompileOptions,
+    ops: frozenset[str],
+    passes: PostGradPassManager,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[_Built | None, str]:
+    """The runtime rebuilt from the saved trace with every build from the compile cache,
+    or None and why not (then the start traces with Dynamo).
+    """
+    entry, why = traces.load(key)
+    if entry is None:
+        return None, f"missed ({why})"
+    try:
+        binding, signature, split = restore(entry, model, ops)
+        cache = CompileCache(options.cache_dir or envs.cache_root(), entry.factors)
+    except Exception as e:  # an entry this code cannot rebuild: trace instead
+        return None, f"missed (the entry does not restore: {type(e).__name__}: {e})"
+    if len(entry.fingerprints) != len(split.compiled_pieces):
+        return None, "missed (the entry's fingerprints do not match its pieces)"
+    compiler = PieceCompiler(options.compile_backend, passes, cache, None)
+    compiler.cached_only = True
+    for piece, fingerprint in zip(split.compiled_pieces, entry.fingerprints):
+        compiler.set_fingerprint(piece, fingerprint)
+    try:
+        runtime = PiecewiseRuntime(binding, signature, split, compiler)
+        runtime(input_ids, positions)
+        sizes = _specialise(runtime, compiler, options, input_ids, positions)
+    except NotCached as e:
+        return None, f"missed ({e})"
+    compiler.cached_only = False  # a retrace for other inputs compiles what it needs
+    return _Built(runtime, compiler, cache, sizes, from_dynamo=False), f"loaded {traces.path(key)}"
+
+
+def _verified(built: _Built, fresh: SplitGraph, note: str) -> tuple[_Built | None, str]:
+    """``built`` when its graph is the fresh trace's; else None (the entry is stale)."""
+    if graph_code(built.runtime.split) == graph_code(fresh):
+        return built, f"{note} (verified: a fresh trace gives the same graph)"
+    logger.warning(
+        "graphattn compile: the trace cache entry differs from a fresh trace of the model: "
+        "its key missed a change (a global of the model's code, or an attribute it cannot "
+        "describe); using the fresh trace and replacing the entry. Pass trace_cache=False "
+        "for this model."
+    )
+    return None, "stale entry replaced (debug found a fresh trace differs)"
+
+
+def _save_trace(
+    traces: TraceCache,
+    key: str,
+    note: str,
+    trace: Trace,
+    split: SplitGraph,
+    compiler: PieceCompiler,
+    cache: CompileCache | None,
+    model: torch.nn.Module,
+) -> str:
+    before = f"{note}; " if note else ""
+    if cache is None:
+        return before + "not saved (no compile cache)"
+    fingerprints = [compiler.fingerprint(p) for p in split.compiled_pieces]
+    files = model_source_files(model, trace.graph_module)
+    entry, why = make_entry(trace, split, fingerprints, cache.factors, model, files)
+    if entry is None:
+        logger.info("graphattn compile: trace not saved: %s", why)
+        return before + f"not saved ({why})"
+    path = traces.store(key, entry)
+    return before + (f"saved {path}" if path else "not saved (the write failed)")
 
 
 def _specialise(
@@ -332,7 +463,7 @@ def _wrap_pieces(runtime: PiecewiseRuntime, wrapper: PieceWrapper | None) -> Non
     runtime.install_wrapped(wrap)
 
 
-def _info(options, split, compiler, cache, passes, dump, trace_seconds, sizes) -> CompileInfo:
+def _info(options, split, compiler, cache, passes, dump, sizes) -> CompileInfo:
     return CompileInfo(
         num_pieces=len(split.pieces),
         num_compiled_pieces=len(split.compiled_pieces),
@@ -343,7 +474,6 @@ def _info(options, split, compiler, cache, passes, dump, trace_seconds, sizes) -
         cache_key=cache.key if cache is not None else "",
         num_distinct_graphs=compiler.num_distinct_graphs,
         compile_sizes=sizes,
-        trace_seconds=trace_seconds,
         backend=options.compile_backend,
         passes=passes.names if options.compile_backend == "inductor" else [],
         debug_dump_dir=dump.dir if dump is not None else "",

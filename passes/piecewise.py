@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from graphattn._logging import logger
-from graphattn.passes.backend import InputSignature, Trace
+from graphattn.passes.backend import InputBinding, InputSignature
 from graphattn.passes.cache import CompileCache
 from graphattn.passes.debug import DebugDump
 from graphattn.passes.fingerprint import graph_fingerprint
@@ -24,6 +24,12 @@ from graphattn.passes.pass_manager import PostGradPassManager
 from graphattn.passes.split import Piece, SplitGraph
 
 Build = Callable[..., Any]
+
+
+class NotCached(Exception):
+    """A build the compile cache does not hold, asked of a compiler that may not compile
+    (one whose pieces come from the trace cache and carry no shapes to compile from).
+    """
 
 
 class RunState:
@@ -77,6 +83,7 @@ class PieceCompiler:
         self.dump = dump
         self.hits = 0
         self.misses = 0
+        self.cached_only = False  # raise NotCached instead of compiling
         self._builds: dict[tuple[str, str], tuple[Build, str]] = {}
         self._fingerprints: dict[int, str] = {}
 
@@ -84,10 +91,12 @@ class PieceCompiler:
         """The build of ``piece`` for any token count."""
         if self.backend == "eager":
             return piece.module.forward
-        fakes = [n.meta["example_value"] for n in _placeholders(piece)]
-        return self._build(
-            piece, "dynamic", lambda on_code: self._inductor(piece, fakes, True, on_code)
-        )
+
+        def compile_dynamic(on_code: Any) -> Build:
+            fakes = [n.meta["example_value"] for n in _placeholders(piece)]
+            return self._inductor(piece, fakes, True, on_code)
+
+        return self._build(piece, "dynamic", compile_dynamic)
 
     def specialised(self, piece: Piece, args: list[Any], num_tokens: int) -> Build:
         """The build of ``piece`` for exactly ``num_tokens`` tokens; ``args`` are real inputs
@@ -103,6 +112,12 @@ class PieceCompiler:
         if key not in self._fingerprints:
             self._fingerprints[key] = graph_fingerprint(piece.module)
         return self._fingerprints[key]
+
+    def set_fingerprint(self, piece: Piece, fingerprint: str) -> None:
+        """Take ``fingerprint`` for ``piece`` as computed by an earlier trace (a piece from
+        the trace cache has no shapes in its graph to compute it from).
+        """
+        self._fingerprints[id(piece.module)] = fingerprint
 
     @property
     def num_distinct_graphs(self) -> int:
@@ -121,6 +136,8 @@ class PieceCompiler:
             self._note(piece, shape, f"loaded from the compile cache: {self.cache.path(name)}\n")
             logger.debug("piece %s (%s): loaded from the compile cache", piece.name, shape)
         else:
+            if self.cached_only:
+                raise NotCached(f"piece {piece.name} ({shape}) is not in the compile cache")
             if self.cache is not None:
                 self.misses += 1
             build = compile_fn(self._code_writer(piece, shape))
@@ -154,9 +171,15 @@ class PiecewiseRuntime:
     and runs the split graph, whose pieces are the compiled and splitting pieces.
     """
 
-    def __init__(self, trace: Trace, split: SplitGraph, compiler: PieceCompiler) -> None:
-        self.signature: InputSignature = trace.signature
-        self.binding = trace.binding
+    def __init__(
+        self,
+        binding: InputBinding,
+        signature: InputSignature,
+        split: SplitGraph,
+        compiler: PieceCompiler,
+    ) -> None:
+        self.signature = signature
+        self.binding = binding
         self.split = split
         self.state = RunState()
         self.pieces = [

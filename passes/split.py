@@ -66,6 +66,11 @@ def split_graph(gm: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph
     gm.recompile()
     split = split_module(gm, None, lambda node: assignment[node], keep_original_order=True)
     _return_tuples(split)
+    return split_graph_of(split, splitting_ops)
+
+
+def split_graph_of(split: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph:
+    """The ``SplitGraph`` of an already split module: its pieces in call order."""
     names = [n.target for n in split.graph.nodes if n.op == "call_module"]
     pieces = []
     for index, name in enumerate(names):

@@ -1,6 +1,7 @@
 """The piecewise compiler (graphattn.passes) on a toy model: split, Inductor builds, compile
 sizes, recompiles, piece wrapper, compile cache (warm start in a fresh process, corrupt
-entries, changed factors) and debug dumps.
+entries, changed factors), trace cache (a warm start without Dynamo, what its key covers,
+stale and unusable entries) and debug dumps.
 
 The toy model has L layers around a toy attention op with a call counter (as vLLM's
 compilation tests do); the ops are this module's own, so the splitting ops are configured,
@@ -67,6 +68,7 @@ class ToyModel(nn.Module):
     def __init__(self, num_layers: int = LAYERS, seed: int = 0) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
+        self.position_scale = 0.01  # a plain attribute the trace bakes in
         self.embed = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen), requires_grad=False)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen) / 4, requires_grad=False)
@@ -74,7 +76,7 @@ class ToyModel(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed[input_ids] + positions[:, None] * 0.01  # [T, H]
+        x = self.embed[input_ids] + positions[:, None] * self.position_scale  # [T, H]
         for i, w in enumerate(self.weights):
             doubled = x.shape[0] * 2  # a size computed before the split point...
             h = x @ w
@@ -343,24 +345,29 @@ def test_piece_wrapper_wraps_each_compiled_piece():
 # -- compile cache ------------------------------------------------------------------------
 
 _WARM_START = """
-import json, sys, torch
+import json, sys, torch, torch._dynamo.utils
 sys.path.insert(0, {tests!r})
 from test_passes import ToyModel, _inputs, _options
 from graphattn.passes.compiler import compile_model
 model = ToyModel()
 with torch.inference_mode():
-    compiled = compile_model(model, _options({cache!r}), _inputs(64))
+    compiled = compile_model(model, _options({cache!r}, trace_cache={trace_cache}), _inputs(64))
     ids, pos = _inputs(13, seed=5)
     err = (compiled(ids, pos) - model(ids, pos)).abs().max().item()
 info = compiled.info
+frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 print(json.dumps(dict(hits=info.cache_hits, misses=info.cache_misses, warm=info.warm,
-                      inductor=info.inductor_compiles, key=info.cache_key, err=err)))
+                      inductor=info.inductor_compiles, key=info.cache_key, err=err,
+                      trace=info.trace_source, frames=frames)))
 """
 
 
-def test_warm_start_in_a_fresh_process_loads_every_piece(toy, cache_dir):
+@pytest.mark.parametrize("trace_cache", [True, False])
+def test_warm_start_in_a_fresh_process_loads_every_piece(toy, cache_dir, trace_cache):
     _, compiled, _ = toy
-    script = _WARM_START.format(tests=os.path.dirname(__file__), cache=str(cache_dir))
+    script = _WARM_START.format(
+        tests=os.path.dirname(__file__), cache=str(cache_dir), trace_cache=trace_cache
+    )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -368,6 +375,10 @@ def test_warm_start_in_a_fresh_process_loads_every_piece(toy, cache_dir):
     assert result["key"] == compiled.info.cache_key
     assert (result["hits"], result["misses"], result["inductor"]) == (builds, 0, 0)
     assert result["warm"] and result["err"] < 1e-5
+    if trace_cache:  # the trace came from the trace cache: Dynamo never ran in that process
+        assert (result["trace"], result["frames"]) == ("trace cache", 0)
+    else:
+        assert result["trace"] == "dynamo" and result["frames"] >= 1
 
 
 def test_factors_are_written_next_to_the_entry(toy):
@@ -427,6 +438,235 @@ def test_an_unusable_cache_folder_only_costs_the_cache(toy, tmp_path, caplog):
     assert any("no compile cache" in r.getMessage() for r in caplog.records)
     with torch.inference_mode():
         torch.testing.assert_close(compiled(*_inputs(5)), _eager(model, 5), rtol=1e-5, atol=1e-5)
+
+
+# -- trace cache --------------------------------------------------------------------------
+
+
+def _frames() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def forget_dynamic_floats():
+    """Forget Dynamo's automatic-dynamic state after a test that traces a changed float
+    attribute: Dynamo would make the float a graph input of every later toy trace.
+    """
+    yield
+    torch._dynamo.reset()
+
+
+def _check_outputs(compiled, model, sizes=(1, 4, 13)):
+    with torch.inference_mode():
+        for n in sizes:
+            got = compiled(*_inputs(n, seed=n))
+            torch.testing.assert_close(got, _eager(model, n, seed=n), rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_compile_takes_its_trace_from_the_trace_cache(toy, cache_dir):
+    model, first, _ = toy
+    assert first.info.trace_source == "dynamo" and "saved" in first.info.trace_cache
+    frames = _frames()
+    again = _compile(ToyModel(), _options(cache_dir))
+    assert _frames() == frames  # no Dynamo trace
+    info = again.info
+    assert (info.trace_source, info.trace_seconds, info.inductor_compiles) == ("trace cache", 0, 0)
+    assert info.trace_cache.startswith("loaded ") and info.warm
+    assert info.cache_key == first.info.cache_key
+    assert [sorted(p.specialised) for p in again.pieces] == [list(SIZES)] * 4
+    _check_outputs(again, model)
+
+
+def test_a_changed_attribute_misses_the_trace_cache(toy, cache_dir, forget_dynamic_floats):
+    model = ToyModel()
+    model.position_scale = 0.5  # baked into the graph as a constant
+    frames = _frames()
+    compiled = _compile(model, _options(cache_dir))
+    assert _frames() > frames and compiled.info.trace_source == "dynamo"
+    _check_outputs(compiled, model)
+    with torch.inference_mode():  # and the output is the new model's, not the cached graph's
+        a, b = _eager(model, 6), _eager(ToyModel(), 6)
+    assert (a - b).abs().max() > 0.1
+
+
+def test_describe_model_sees_attributes_tensors_configs_and_hooks():
+    from graphattn.passes.trace_cache import describe_model
+
+    base = describe_model(ToyModel())
+    assert describe_model(ToyModel(seed=1)) == base  # weights' values are not the trace's
+    changed = [ToyModel() for _ in range(5)]
+    changed[0].position_scale = 0.02
+    changed[1].weights[0].data = changed[1].weights[0].data.double()
+    changed[2].weights.append(nn.Parameter(torch.zeros(HIDDEN, HIDDEN)))
+    changed[3].register_forward_pre_hook(lambda module, args: None)
+    changed[4].eval()  # a fresh module trains
+    for model in changed:
+        assert describe_model(model) != base
+    # nested plain objects are described by value, not by address
+    a, b = ToyModel(), ToyModel()
+    a.options, b.options = _Settings(2, {"x": (1, 2)}), _Settings(2, {"x": (1, 2)})
+    assert describe_model(a) == describe_model(b)
+    b.options.table["x"] = (1, 3)
+    assert describe_model(a) != describe_model(b)
+
+
+class _Settings:
+    def __init__(self, heads, table):
+        self.heads, self.table = heads, table
+
+
+_HELPER = """
+FLIP = {flip}
+
+
+def flip() -> bool:
+    return FLIP
+"""
+
+_MODEL = """
+import torch
+from torch import nn
+
+import {helper} as helper
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.eye(4) * 2, requires_grad=False)
+
+    def forward(self, input_ids, positions):
+        x = (input_ids + positions)[:, None].float() * self.w[0]
+        return -x if helper.flip() else x
+"""
+
+
+def test_a_changed_helper_file_misses_though_it_adds_no_graph_node(tmp_path, monkeypatch):
+    """The helper only steers control flow (no node's stack trace names its file): the
+    trace cache must still see that it changed.
+    """
+    import importlib
+
+    code_dir = tmp_path / "code"
+    code_dir.mkdir()
+    (code_dir / "tiny_helper.py").write_text(_HELPER.format(flip=False))
+    (code_dir / "tiny_model.py").write_text(_MODEL.format(helper="tiny_helper"))
+    monkeypatch.syspath_prepend(str(code_dir))
+    import tiny_helper
+    import tiny_model
+
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), cache_factors={"test": "tiny"})
+    first = _compile(tiny_model.Tiny(), options, n=8)
+    assert first.info.trace_source == "dynamo" and "saved" in first.info.trace_cache
+    again = _compile(tiny_model.Tiny(), options, n=8)
+    assert again.info.trace_source == "trace cache"
+
+    (code_dir / "tiny_helper.py").write_text(_HELPER.format(flip=True))
+    importlib.reload(tiny_helper)
+    model = tiny_model.Tiny()
+    changed = _compile(model, options, n=8)
+    assert changed.info.trace_source == "dynamo"
+    assert "tiny_helper.py changed since the trace" in changed.info.trace_cache
+    with torch.inference_mode():
+        ids, pos = _inputs(5)
+        assert changed(ids, pos).sum() < 0
+        torch.testing.assert_close(changed(ids, pos), model(ids, pos))
+
+
+_GLOBAL_TABLE = torch.arange(VOCAB, dtype=torch.float32)
+
+
+class _ReadsAGlobalTensor(nn.Module):
+    def forward(self, input_ids, positions):
+        return _GLOBAL_TABLE[input_ids] + positions
+
+
+def test_a_graph_input_the_model_does_not_hold_is_not_saved(tmp_path):
+    options = CompileOptions(cache_dir=str(tmp_path), cache_factors={"test": "global"})
+    model = _ReadsAGlobalTensor()
+    first = _compile(model, options, n=8)
+    assert "not saved (graph input" in first.info.trace_cache
+    assert "does not hold" in first.info.trace_cache
+    assert not os.listdir(tmp_path / "traces")
+    again = _compile(model, options, n=8)
+    assert again.info.trace_source == "dynamo" and again.info.inductor_compiles == 0
+    _check_outputs(again, model)
+
+
+def test_a_corrupt_trace_entry_is_traced_again_and_rewritten(toy, cache_dir, tmp_path, caplog):
+    model, _, _ = toy
+    copy_dir = tmp_path / "cache"
+    shutil.copytree(cache_dir, copy_dir)
+    for entry in os.listdir(copy_dir / "traces"):  # the toy's, and other tests' entries
+        with open(copy_dir / "traces" / entry, "r+b") as f:
+            f.seek(60)
+            f.write(b"\x00" * 16)
+    with caplog.at_level(logging.WARNING, logger="graphattn"):
+        again = _compile(model, _options(copy_dir))
+    assert again.info.trace_source == "dynamo" and "checksum" in again.info.trace_cache
+    assert any("checksum does not match" in r.getMessage() for r in caplog.records)
+    assert again.info.inductor_compiles == 0  # the pieces still came from the compile cache
+    _check_outputs(again, model)
+    third = _compile(model, _options(copy_dir))
+    assert third.info.trace_source == "trace cache", (
+        again.info.trace_cache,
+        third.info.trace_cache,
+    )
+
+
+def test_a_missing_piece_build_sends_the_start_back_to_dynamo(toy, cache_dir, tmp_path):
+    model, compiled, _ = toy
+    copy_dir = tmp_path / "cache"
+    shutil.copytree(cache_dir, copy_dir)
+    pieces = copy_dir / compiled.info.cache_key / "pieces"
+    os.remove(pieces / sorted(os.listdir(pieces))[0])
+    again = _compile(model, _options(copy_dir))
+    info = again.info
+    assert info.trace_source == "dynamo" and "is not in the compile cache" in info.trace_cache
+    assert (info.cache_misses, info.inductor_compiles) == (1, 1)
+    _check_outputs(again, model)
+    assert _compile(model, _options(copy_dir)).info.trace_source == "trace cache"
+
+
+def test_trace_cache_off_always_traces(toy, cache_dir):
+    model, _, _ = toy
+    compiled = _compile(model, _options(cache_dir, trace_cache=False))
+    assert compiled.info.trace_source == "dynamo"
+    assert compiled.info.trace_cache == "off (trace_cache=False)"
+    assert compiled.info.cache_hits > 0
+
+
+def test_verification_catches_an_entry_its_key_missed(
+    toy, cache_dir, tmp_path, monkeypatch, caplog, forget_dynamic_floats
+):
+    """A key blind to the model (as it would be to a global changed at run time): without
+    verification the stale graph runs; with it the fresh trace wins and replaces the entry.
+    """
+    import graphattn.passes.compiler as compiler_module
+
+    copy_dir = tmp_path / "cache"
+    shutil.copytree(cache_dir, copy_dir)
+    monkeypatch.setattr(compiler_module, "trace_key", lambda *args: "blind")
+    _compile(ToyModel(), _options(copy_dir))  # saves the entry "blind"
+    changed = ToyModel()
+    changed.position_scale = 0.5
+    with torch.inference_mode():
+        want, old = _eager(changed, 6), _eager(ToyModel(), 6)
+    stale = _compile(changed, _options(copy_dir))
+    assert stale.info.trace_source == "trace cache"
+    with torch.inference_mode():
+        torch.testing.assert_close(stale(*_inputs(6)), old)  # the hazard the key guards
+
+    torch._dynamo.reset()  # else Dynamo, having seen two scales, makes the scale an input
+    with caplog.at_level(logging.WARNING, logger="graphattn"):
+        checked = _compile(changed, _options(copy_dir, verify_trace_cache=True))
+    assert checked.info.trace_source == "dynamo"
+    assert "stale entry replaced" in checked.info.trace_cache
+    assert any("differs from a fresh trace" in r.getMessage() for r in caplog.records)
+    with torch.inference_mode():
+        torch.testing.assert_close(checked(*_inputs(6)), want)
+    same = _compile(changed, _options(copy_dir, verify_trace_cache=True))
+    assert same.info.trace_source == "trace cache" and "verified" in same.info.trace_cache
 
 
 # -- debug dump ---------------------------------------------------------------------------
