@@ -25,13 +25,20 @@ from graphattn.attention.forward_context import (
 )
 from graphattn.errors import ConfigError, InvalidInputError, RecompileError
 from graphattn.passes.backend import Trace, describe_inputs, trace_model
-from graphattn.passes.cache import CompileCache, base_factors, cache_factors, model_source_files
+from graphattn.passes.cache import CompileCache, base_factors, cache_factors
 from graphattn.passes.debug import DebugDump
 from graphattn.passes.inductor import compile_count
 from graphattn.passes.pass_manager import DEFAULT_PASSES, PostGradPassManager, make_pass_manager
 from graphattn.passes.piecewise import CompiledPiece, NotCached, PieceCompiler, PiecewiseRuntime
 from graphattn.passes.split import SplitGraph, resolve_splitting_ops, split_graph
-from graphattn.passes.trace_cache import TraceCache, graph_code, make_entry, restore, trace_key
+from graphattn.passes.trace_cache import (
+    TraceCache,
+    make_entry,
+    restore,
+    same_graph,
+    trace_key,
+    trace_sources,
+)
 
 COMPILE_BACKENDS = ("inductor", "eager")
 
@@ -172,10 +179,12 @@ def compile_model(
         built, note = _from_trace_cache(
             traces, key, model, options, ops, passes, input_ids, positions
         )
-    trace = None
+    trace = sources = None
     if built is None or options.verify_trace_cache:
         trace = trace_model(model, input_ids, positions, dump.bytecode_hook if dump else None)
         logger.info("graphattn compile: traced %s in %.2f s", type(model).__name__, trace.seconds)
+        if traces is not None:  # the files as traced, before a compile long enough to edit them
+            sources = trace_sources(trace, model)
         split = _split(trace.graph_module, ops, dump)
         if built is not None:
             built, note = _verified(built, split, note)
@@ -186,7 +195,7 @@ def compile_model(
         runtime(input_ids, positions)  # once through the compiled pieces, at start-up
         sizes = _specialise(runtime, compiler, options, input_ids, positions)
         if traces is not None:
-            note = _save_trace(traces, key, note, trace, split, compiler, cache, model)
+            note = _save_trace(traces, key, note, trace, sources, split, compiler, cache, model)
         built = _Built(runtime, compiler, cache, sizes)
     runtime, compiler = built.runtime, built.compiler
     _wrap_pieces(runtime, piece_wrapper)
@@ -349,7 +358,14 @@ def _open_trace_cache(
     except OSError as e:
         return None, "", f"off (no folder in {root}: {e})"
     factors = base | {"compile_sizes": sorted(set(options.compile_sizes))}
-    return traces, trace_key(factors, model, input_ids, positions), ""
+    try:
+        key, why = trace_key(factors, model, input_ids, positions)
+    except Exception as e:  # describing the model failed: no cache, never no engine
+        key, why = "", f"describing the model failed: {type(e).__name__}: {e}"
+    if not key:
+        logger.info("graphattn compile: trace cache off: %s", why)
+        return None, "", f"off ({why})"
+    return traces, key, ""
 
 
 def _from_trace_cache(
@@ -385,13 +401,21 @@ def _from_trace_cache(
         sizes = _specialise(runtime, compiler, options, input_ids, positions)
     except NotCached as e:
         return None, f"missed ({e})"
+    except Exception as e:  # the saved graph no longer runs (an op's schema changed...)
+        logger.warning(
+            "graphattn compile: the trace cache entry %s failed to run (%s: %s); tracing again",
+            traces.path(key),
+            type(e).__name__,
+            e,
+        )
+        return None, f"missed (the restored graph failed: {type(e).__name__}: {e})"
     compiler.cached_only = False  # a retrace for other inputs compiles what it needs
     return _Built(runtime, compiler, cache, sizes, from_dynamo=False), f"loaded {traces.path(key)}"
 
 
 def _verified(built: _Built, fresh: SplitGraph, note: str) -> tuple[_Built | None, str]:
     """``built`` when its graph is the fresh trace's; else None (the entry is stale)."""
-    if graph_code(built.runtime.split) == graph_code(fresh):
+    if same_graph(built.runtime.split, fresh):
         return built, f"{note} (verified: a fresh trace gives the same graph)"
     logger.warning(
         "graphattn compile: the trace cache entry differs from a fresh trace of the model: "
@@ -407,6 +431,7 @@ def _save_trace(
     key: str,
     note: str,
     trace: Trace,
+    sources: tuple[dict[str, str] | None, str],
     split: SplitGraph,
     compiler: PieceCompiler,
     cache: CompileCache | None,
@@ -415,9 +440,12 @@ def _save_trace(
     before = f"{note}; " if note else ""
     if cache is None:
         return before + "not saved (no compile cache)"
+    digests, why = sources
+    if digests is None:
+        logger.info("graphattn compile: trace not saved: %s", why)
+        return before + f"not saved ({why})"
     fingerprints = [compiler.fingerprint(p) for p in split.compiled_pieces]
-    files = model_source_files(model, trace.graph_module)
-    entry, why = make_entry(trace, split, fingerprints, cache.factors, model, files)
+    entry, why = make_entry(trace, split, fingerprints, cache.factors, model, digests)
     if entry is None:
         logger.info("graphattn compile: trace not saved: %s", why)
         return before + f"not saved ({why})"

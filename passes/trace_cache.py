@@ -16,18 +16,25 @@ before tracing:
 
 - the compile cache's factors without the model's sources (engine settings, passes,
   graphattn's compiler source, torch, Triton and Python versions);
-- the model's state: every module's class and non-tensor attributes (what Dynamo guards
-  on: eps, head counts, flags, config dataclasses, hooks), every parameter's and buffer's
-  name, shape, stride, dtype and device (``describe_model``);
-- the trace inputs' dtypes, device and length; torch's default dtype, grad, inference and
-  autocast state; Dynamo's config.
+- the model's state (``describe_model``): every module's class and non-tensor attributes
+  (what Dynamo guards on: eps, head counts, flags, config dataclasses, hooks), described
+  by value through containers (dicts in their order), plain objects, modules held outside
+  the module tree, functions (defaults and closure cells) and bound methods (their
+  object); every parameter's and buffer's name, shape, stride, dtype and device; which
+  names share one tensor (tied weights);
+- the trace inputs' dtypes, device and length; torch's default dtype and device, grad,
+  inference and autocast state, global module hooks, and the Dynamo, functorch and FX
+  configs.
 
-The entry lists every source file the trace went through (the code objects Dynamo inlined,
-the module classes' files), with a hash of each file's contents, torch's and the standard
-library's excepted (their versions are in the key). A load hashes them again; a file that
-changed or is gone is a miss. What the key cannot see: a global of the model's code that
-changes at run time without its file changing, or an attribute holding an object that
-``describe_model`` reduces to its type beyond three levels of nesting. Such a model needs
+A model holding a value the description cannot capture (nested too deep, or of no known
+form: a lock, an extension object) gets no key, and the report says which attribute.
+
+The entry lists every source file the trace went through (the code objects Dynamo
+inlined, the module classes' files) with a hash of each file's contents taken right after
+the trace; torch's own files are left to its version. A load hashes them again; a file
+that changed or is gone is a miss. A trace through code with no file behind it (exec, a
+notebook cell) is not saved. What the key cannot see: a global of the model's code, or a
+class attribute, changed at run time without its file changing. Such a model needs
 ``trace_cache=False``. With ``debug=True`` every start traces anyway and compares the
 traced graph with the entry's: a difference is reported and the entry replaced.
 
@@ -43,24 +50,26 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import importlib
 import json
 import os
 import pickle
-import sysconfig
+import types
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
-from torch import nn
+from torch import fx, nn
 
 from graphattn._logging import logger
 from graphattn.passes.backend import InputBinding, InputSignature, Trace
-from graphattn.passes.cache import file_digest, pack, unpack, write_atomic
+from graphattn.passes.cache import file_digest, model_source_files, pack, unpack, write_atomic
 from graphattn.passes.split import SplitGraph, split_graph_of
 
 _MAGIC = b"GATRACE1"
 FORMAT = 1
-_DEPTH = 3  # nesting levels of an attribute's value described before only its type is
+_DEPTH = 6  # nesting levels of an attribute's value described; deeper ones are opaque
 
 
 @dataclass
@@ -132,39 +141,53 @@ def trace_key(
     model: nn.Module,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-) -> str:
-    """The trace cache key of ``model`` traced on these inputs (see the module docstring)."""
+) -> tuple[str, str]:
+    """The trace cache key of ``model`` traced on these inputs (see the module docstring),
+    or "" and why the model cannot have one: it holds a value ``describe_model`` cannot
+    describe, so a change to it would go unseen.
+    """
+    describer = _Describer(model)
     factors = {
         "format": FORMAT,
         "compile": base_factors,
-        "model": describe_model(model),
+        "model": describer.model(),
         "inputs": [_tensor_meta(input_ids), _tensor_meta(positions)],
-        "torch_state": _torch_state(),
+        "torch_state": _torch_state(describer),
     }
+    if describer.opaque:
+        shown = ", ".join(describer.opaque[:3])
+        more = f" and {len(describer.opaque) - 3} more" if len(describer.opaque) > 3 else ""
+        return "", f"the model holds values it cannot describe: {shown}{more}"
     text = json.dumps(factors, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return hashlib.sha256(text.encode()).hexdigest()[:32], ""
 
 
 def describe_model(model: nn.Module) -> list[Any]:
-    """Every module's path, class, non-tensor attributes, parameters and buffers, as JSON-able
-    values that are equal in two processes exactly when these are.
+    """Every module's path, class, non-tensor attributes, parameters and buffers, and which
+    paths share one tensor, as JSON-able values that are equal in two processes exactly
+    when these are (values it cannot describe appear as ``opaque <type>``).
     """
-    out = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        attrs = {}
-        for attr, value in sorted(vars(module).items()):
-            if attr in ("_parameters", "_buffers", "_modules"):
-                continue
-            if "hooks" in attr and isinstance(value, dict):  # handle ids are not the hook
-                attrs[attr] = [_describe(v, 1) for v in value.values()]
-            else:
-                attrs[attr] = _describe(value, 0)
-        tensors = {
-            kind: {k: _tensor_meta(t) for k, t in getattr(module, kind).items()}
-            for kind in ("_parameters", "_buffers")
-        }
-        out.append([name, _qualname(type(module)), attrs, tensors])
-    return out
+    return _Describer(model).model()
+
+
+def trace_sources(trace: Trace, model: nn.Module) -> tuple[dict[str, str] | None, str]:
+    """Each source file the trace went through (torch's excepted: its version is in the
+    key) with the SHA-256 of its contents, read right after the trace; or None and why the
+    trace cannot be checked later (code with no file behind it: exec, a notebook cell).
+    """
+    if not trace.traced_files:
+        return None, "this torch does not say which code the trace inlined"
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    sources = {}
+    files = set(trace.traced_files) | set(model_source_files(model, trace.graph_module))
+    for path in sorted(files):
+        if os.path.abspath(path).startswith(torch_dir):
+            continue
+        try:
+            sources[path] = file_digest(path)
+        except OSError:
+            return None, f"traced code from {path}, which is not a file that can be checked"
+    return sources, ""
 
 
 def make_entry(
@@ -173,24 +196,19 @@ def make_entry(
     fingerprints: list[str],
     factors: dict[str, Any],
     model: nn.Module,
-    source_files: list[str],
+    sources: dict[str, str],
 ) -> tuple[TraceEntry | None, str]:
-    """The entry for a cold start's trace, or None and why it cannot be saved."""
-    if not trace.traced_files:
-        return None, "this torch does not say which code the trace inlined"
+    """The entry for a cold start's trace (``sources`` from ``trace_sources``), or None and
+    why it cannot be saved.
+    """
     binding, why = _binding_spec(trace.binding, model)
     if binding is None:
         return None, why
     try:
-        blob = _pickle_split(split)
+        blob = pickle_split(split)
     except Exception as e:  # a graph with a target pickle cannot name
         return None, f"the split graph does not pickle ({type(e).__name__}: {e})"
     signature = trace.signature
-    sources = {}
-    for path in sorted(set(trace.traced_files) | set(source_files)):
-        if _outside_key(path):
-            with contextlib.suppress(OSError):  # "<string>" and the like are no files
-                sources[path] = file_digest(path)
     return (
         TraceEntry(
             factors=factors,
@@ -202,7 +220,7 @@ def make_entry(
                 "device": str(signature.device),
                 "same_length": signature.same_length,
             },
-            sources=sources,
+            sources=dict(sources),
         ),
         "",
     )
@@ -233,9 +251,31 @@ def restore(
     return binding, signature, split_graph_of(module, splitting_ops)
 
 
-def graph_code(split: SplitGraph) -> list[str]:
-    """The split graph's code and each piece's: what ``debug`` compares with a fresh trace."""
-    return [split.module.code] + [p.module.code for p in split.pieces]
+def same_graph(restored: SplitGraph, fresh: SplitGraph) -> bool:
+    """Whether a restored split graph is a fresh trace's. The fresh one goes through the
+    same pickle round trip first: unpickling re-traces a graph module's code, which
+    rewrites some calls (defaults become keywords) without changing what they do.
+    """
+    again = pickle.loads(pickle_split(fresh))
+    return _code(restored.module) == _code(again)
+
+
+def _code(module: fx.GraphModule) -> list[str]:
+    names = [n.target for n in module.graph.nodes if n.op == "call_module"]
+    # the submodules themselves: a runtime installs its builds under the same names
+    return [module.code] + [module._modules[name].code for name in names]
+
+
+def pickle_split(split: SplitGraph) -> bytes:
+    """Pickle the split graph without the builds a runtime installed in its ``__dict__``."""
+    module = split.module
+    installed = {
+        p.name: module.__dict__.pop(p.name) for p in split.pieces if p.name in vars(module)
+    }
+    try:
+        return pickle.dumps(module)
+    finally:
+        module.__dict__.update(installed)
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -285,39 +325,38 @@ def _resolve(model: nn.Module, path: str) -> Any:
     return functools.reduce(getattr, path.split("."), model)
 
 
-def _pickle_split(split: SplitGraph) -> bytes:
-    """Pickle the split graph without the builds a runtime installed in its ``__dict__``."""
-    module = split.module
-    installed = {
-        p.name: module.__dict__.pop(p.name) for p in split.pieces if p.name in vars(module)
-    }
-    try:
-        return pickle.dumps(module)
-    finally:
-        module.__dict__.update(installed)
-
-
-def _outside_key(path: str) -> bool:
-    """A source file the key's versions do not already cover (not torch's or the stdlib's)."""
-    path = os.path.abspath(path)
-    covered = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"])
-    return os.path.isfile(path) and not any(path.startswith(c + os.sep) for c in covered)
-
-
-def _torch_state() -> dict[str, Any]:
+def _torch_state(describer: _Describer) -> dict[str, Any]:
+    """Global torch state a trace reads: modes, defaults, global hooks, tracing configs."""
     state: dict[str, Any] = {
         "default_dtype": str(torch.get_default_dtype()),
+        "default_device": str(getattr(torch, "get_default_device", lambda: None)()),
         "grad": torch.is_grad_enabled(),
         "inference": torch.is_inference_mode_enabled(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "autocast": [torch.is_autocast_enabled(d) for d in ("cpu", "cuda")],
+        "autocast": [
+            [torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))]
+            for d in ("cpu", "cuda")
+        ],
     }
+    from torch.nn.modules import module as module_globals
+
+    hooks = [n for n in dir(module_globals) if n.startswith("_global_") and "hooks" in n]
+    state["global_module_hooks"] = {}
+    for name in hooks:
+        value = getattr(module_globals, name)
+        values = list(value.values()) if isinstance(value, dict) else value
+        state["global_module_hooks"][name] = describer.value(values, name, 1)
     # Dynamo's own get_hash() reprs its sets, whose order changes with each process's
     # string hashing; the description sorts them
-    config = torch._dynamo.config
-    ignored = getattr(config, "_compile_ignored_keys", set())
-    values = {k: v for k, v in config.get_config_copy().items() if k not in ignored}
-    state["dynamo_config"] = _describe(values, 0)
+    for name in (
+        "torch._dynamo.config",
+        "torch._functorch.config",
+        "torch.fx.experimental._config",
+    ):
+        config = importlib.import_module(name)
+        ignored = getattr(config, "_compile_ignored_keys", set())
+        values = {k: v for k, v in config.get_config_copy().items() if k not in ignored}
+        state[name] = describer.value(values, f"<{name}>", 0)
     return state
 
 
@@ -332,42 +371,141 @@ def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
-def _describe(value: Any, depth: int) -> Any:
-    """A JSON-able description of an attribute value: exact for plain data, structural for
-    containers and objects, the type alone past ``_DEPTH`` levels.
+class _Describer:
+    """Describes a model and the values it holds as JSON-able data: exact for plain data,
+    structural for containers, objects, functions (defaults, closure cells) and bound
+    methods (their object); a registered module by its path. What it cannot describe
+    (past ``_DEPTH`` levels, or with neither ``__dict__`` nor a known form) is listed in
+    ``opaque``, and a model with any has no trace cache key.
     """
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if isinstance(value, bytes):
-        return f"bytes:{hashlib.sha256(value).hexdigest()[:16]}"
-    if isinstance(value, enum.Enum):
-        return f"{_qualname(type(value))}.{value.name}"
-    if isinstance(value, (torch.dtype, torch.device, torch.Size)):
-        return f"{type(value).__name__}:{value}"
-    if isinstance(value, torch.Tensor):
-        return _tensor_meta(value)
-    if isinstance(value, nn.Module):  # a submodule has its own entry
-        return f"module {_qualname(type(value))}"
-    if isinstance(value, functools.partial):
-        parts = [value.func, value.args, value.keywords]
-        return ["partial", _describe(parts, depth)]
-    if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
-        return f"callable {_qualname(value)}"
-    if depth >= _DEPTH:
-        return f"object {_qualname(type(value))}"
-    if isinstance(value, (list, tuple)):
-        return [type(value).__name__, [_describe(v, depth + 1) for v in value]]
-    if isinstance(value, (set, frozenset)):
-        return ["set", sorted(json.dumps(_describe(v, depth + 1)) for v in value)]
-    if isinstance(value, dict):
-        items = [[_describe(k, depth + 1), _describe(v, depth + 1)] for k, v in value.items()]
-        return ["dict", sorted(items, key=json.dumps)]
-    if dataclasses.is_dataclass(value):
-        fields = {
-            f.name: _describe(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)
+
+    def __init__(self, model: nn.Module) -> None:
+        self.root = model
+        self.paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.opaque: list[str] = []
+
+    def model(self) -> list[Any]:
+        out = [
+            self.module(m, name, 0) for name, m in self.root.named_modules(remove_duplicate=False)
+        ]
+        out.append(["aliases", self._aliases()])
+        return out
+
+    def module(self, module: nn.Module, path: str, depth: int) -> list[Any]:
+        attrs = {}
+        for attr, value in sorted(vars(module).items()):
+            if attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            where = f"{path}.{attr}" if path else attr
+            if "hooks" in attr and isinstance(value, dict):  # handle ids are not the hook
+                attrs[attr] = [self.value(v, where, depth + 1) for v in value.values()]
+            else:
+                attrs[attr] = self.value(value, where, depth)
+        tensors = {
+            kind: {k: _tensor_meta(t) for k, t in getattr(module, kind).items()}
+            for kind in ("_parameters", "_buffers")
         }
-        return [_qualname(type(value)), fields]
-    if hasattr(value, "__dict__"):
-        attrs = {k: _describe(v, depth + 1) for k, v in sorted(vars(value).items())}
-        return [_qualname(type(value)), attrs]
-    return f"object {_qualname(type(value))}"
+        return [path, _qualname(type(module)), attrs, tensors]
+
+    def value(self, value: Any, path: str, depth: int) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return repr(value)
+        if isinstance(value, bytes):
+            return f"bytes:{hashlib.sha256(value).hexdigest()[:16]}"
+        if isinstance(value, enum.Enum):
+            return f"{_qualname(type(value))}.{value.name}"
+        if isinstance(value, (torch.dtype, torch.device, torch.Size)):
+            return f"{type(value).__name__}:{value}"
+        if isinstance(value, torch.Tensor):
+            return _tensor_meta(value)
+        if isinstance(value, np.ndarray):
+            digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+            return f"ndarray {value.dtype} {list(value.shape)} {digest}"
+        if isinstance(value, nn.Module) and id(value) in self.paths:
+            return f"module at {self.paths[id(value)]!r}"  # described in its own entry
+        if isinstance(value, type):
+            return f"class {_qualname(value)}"
+        if depth >= _DEPTH:
+            return self._opaque(value, path, "nested too deep")
+        inner = depth + 1
+        if isinstance(value, nn.Module):  # held outside the module tree
+            return ["module", self.module(value, path, inner)]
+        if isinstance(value, functools.partial):
+            parts = [value.func, value.args, value.keywords]
+            return ["partial", self.value(parts, path, inner)]
+        if isinstance(value, types.MethodType):
+            return [
+                "method",
+                self.value(value.__func__, path, inner),
+                self.value(value.__self__, f"{path}.__self__", inner),
+            ]
+        if isinstance(value, types.FunctionType):
+            cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+            parts = [value.__defaults__, value.__kwdefaults__, cells]
+            return ["function", _qualname(value), self.value(parts, path, inner)]
+        if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+            return f"builtin {_qualname(value)}"
+        if isinstance(value, (list, tuple)):
+            items = [self.value(v, f"{path}[{i}]", inner) for i, v in enumerate(value)]
+            return [type(value).__name__, items]
+        if isinstance(value, (set, frozenset)):
+            items = (json.dumps(self.value(v, f"{path}{{}}", inner)) for v in value)
+            return ["set", sorted(items)]
+        if isinstance(value, dict):  # in insertion order: code may iterate it
+            items = value.items()
+            return [
+                "dict",
+                [
+                    [self.value(k, path, inner), self.value(v, f"{path}[{k!r}]", inner)]
+                    for k, v in items
+                ],
+            ]
+        if dataclasses.is_dataclass(value):
+            fields = {
+                f.name: self.value(getattr(value, f.name, _UNSET), f"{path}.{f.name}", inner)
+                for f in dataclasses.fields(value)
+            }
+            return [_qualname(type(value)), fields]
+        if hasattr(value, "__dict__") and not callable(value):
+            attrs = {k: self.value(v, f"{path}.{k}", inner) for k, v in sorted(vars(value).items())}
+            return [_qualname(type(value)), attrs]
+        return self._opaque(value, path, "no known form")
+
+    def _opaque(self, value: Any, path: str, why: str) -> str:
+        self.opaque.append(f"{path or '<model>'} ({type(value).__name__}: {why})")
+        return f"opaque {_qualname(type(value))}"
+
+    def _aliases(self) -> list[list[str]]:
+        """[path, first path] for every tensor the model holds under more than one path
+        (tied weights): the trace binds one graph input to both.
+        """
+        first: dict[int, str] = {}
+        aliases = []
+        for name, module in self.root.named_modules(remove_duplicate=False):
+            prefix = f"{name}." if name else ""
+            for kind in ("_parameters", "_buffers"):
+                for attr, t in getattr(module, kind).items():
+                    if t is None:
+                        continue
+                    path = prefix + attr
+                    if id(t) in first:
+                        aliases.append([path, first[id(t)]])
+                    else:
+                        first[id(t)] = path
+        return aliases
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset()
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True

@@ -11,6 +11,7 @@ through one module-scoped compile (CPU compiles are slow).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -515,6 +517,173 @@ class _Settings:
         self.heads, self.table = heads, table
 
 
+def _scaler(alpha):
+    return lambda x: x * alpha
+
+
+@dataclasses.dataclass
+class _Late:
+    ready: bool = dataclasses.field(init=False)  # never set: reading it raises
+
+
+def _describe_pair(change):
+    """describe_model of two fresh toys, ``change`` applied to the second one."""
+    from graphattn.passes.trace_cache import describe_model
+
+    a, b = ToyModel(), ToyModel()
+    for model in (a, b):
+        model.fn = _scaler(2.0)
+        model.steps = [nn.LeakyReLU(0.1)]  # a module outside the module tree
+        model.order = {"norm": 1, "gate": 2}
+        model.table = np.arange(4)
+    change(b)
+    return describe_model(a), describe_model(b)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m, "embed", m.weights[0]),  # tied: one tensor under two paths
+        lambda m: setattr(m, "fn", _scaler(5.0)),  # a closure's captured value
+        lambda m: setattr(m.steps[0], "negative_slope", 0.3),  # a module outside the tree
+        lambda m: setattr(m, "order", {"gate": 2, "norm": 1}),  # dict order (code may loop)
+        lambda m: m.table.__setitem__(0, 7),  # an array's contents
+        lambda m: setattr(m, "method", m.steps[0].forward),  # a bound method
+    ],
+    ids=["tied", "closure", "hidden-module", "dict-order", "ndarray", "bound-method"],
+)
+def test_describe_model_sees_what_a_trace_reads(change):
+    a, b = _describe_pair(change)
+    assert a != b
+    same_a, same_b = _describe_pair(lambda m: None)
+    assert same_a == same_b
+
+
+def test_a_model_holding_what_the_key_cannot_describe_has_no_trace_cache(tmp_path):
+    import threading
+
+    from graphattn.passes.trace_cache import trace_key
+
+    model = ToyModel()
+    model.late = _Late()  # an unset dataclass field is described, not an error
+    assert trace_key({}, model, *_inputs(4))[0]
+    model.lock = threading.Lock()  # no __dict__, no known form
+    key, why = trace_key({}, model, *_inputs(4))
+    assert key == "" and "lock (lock: no known form)" in why
+    options = CompileOptions(
+        compile_sizes=(), cache_dir=str(tmp_path), cache_factors={"test": "opaque"}
+    )
+    compiled = _compile(_ReadsAGlobalTensor(), options, n=8)  # a model without the lock...
+    assert "off" not in compiled.info.trace_cache
+    holder = _ReadsAGlobalTensor()
+    holder.lock = threading.Lock()
+    compiled = _compile(holder, options, n=8)  # ...and one with it
+    assert compiled.info.trace_cache.startswith("off (the model holds values it cannot")
+    _check_outputs(compiled, holder)
+
+
+def test_a_failure_to_describe_only_turns_the_trace_cache_off(tmp_path, monkeypatch):
+    from graphattn.passes import trace_cache
+
+    def fail(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(trace_cache._Describer, "model", fail)
+    options = CompileOptions(compile_sizes=(), cache_dir=str(tmp_path), cache_factors={"t": 1})
+    compiled = _compile(_ReadsAGlobalTensor(), options, n=8)
+    assert compiled.info.trace_cache == "off (describing the model failed: RuntimeError: boom)"
+
+
+def test_trace_sources_check_everything_but_torch(toy):
+    import dataclasses as dc
+    import json as json_module
+
+    from graphattn.passes.trace_cache import trace_sources
+
+    model = ToyModel()
+    with torch.inference_mode():
+        trace = trace_model(model, *_inputs(8))
+    sources, why = trace_sources(trace, model)
+    assert why == "" and os.path.abspath(__file__) in sources
+    assert not any(p.startswith(os.path.dirname(torch.__file__)) for p in sources)
+    # the standard library (where site-packages can live) is checked, not assumed
+    stdlib = dc.replace(trace, traced_files=(*trace.traced_files, json_module.__file__))
+    assert json_module.__file__ in trace_sources(stdlib, model)[0]
+    # code with no file behind it (exec, a notebook cell) cannot be checked: not saved
+    no_file = dc.replace(trace, traced_files=("<cell 3>",))
+    assert trace_sources(no_file, model) == (
+        None,
+        "traced code from <cell 3>, which is not a file that can be checked",
+    )
+
+
+def test_an_exec_defined_model_is_traced_every_time(tmp_path):
+    namespace = {}
+    exec(
+        "import torch\n"
+        "class Exec(torch.nn.Module):\n"
+        "    def forward(self, input_ids, positions):\n"
+        "        return (input_ids + positions).float() * 2\n",
+        namespace,
+    )
+    options = CompileOptions(compile_sizes=(), cache_dir=str(tmp_path), cache_factors={"t": 2})
+    compiled = _compile(namespace["Exec"](), options, n=8)
+    assert "not saved (traced code from <string>" in compiled.info.trace_cache
+
+
+def test_verification_survives_the_pickle_round_trip_of_a_real_model():
+    """Unpickling a graph module re-traces its code, which turns some defaults into
+    keywords (Llama's embedding and SiLU): an unchanged model must still verify.
+    """
+    import pickle
+
+    import graphattn as ga
+    from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+    from graphattn.passes.split import split_graph_of
+    from graphattn.passes.trace_cache import pickle_split, same_graph
+
+    def split_of(model):
+        engine = ga.compile(
+            model,
+            cudagraph_mode="NONE",
+            compile_backend="eager",
+            max_num_seqs=4,
+            max_num_tokens=16,
+            max_model_len=64,
+            num_blocks=16,
+        )
+        return engine.compiled.runtime.split
+
+    cfg = LlamaConfig.tiny()
+    saved = split_of(init_random_weights(LlamaForCausalLM(cfg)))
+    ops = resolve_splitting_ops(None)
+    restored = split_graph_of(pickle.loads(pickle_split(saved)), ops)
+    assert same_graph(restored, split_of(init_random_weights(LlamaForCausalLM(cfg))))
+    other = LlamaForCausalLM(dataclasses.replace(cfg, rms_norm_eps=1e-3))
+    assert not same_graph(restored, split_of(init_random_weights(other)))
+
+
+def test_an_entry_whose_graph_fails_to_run_is_traced_again(toy, cache_dir, tmp_path, caplog):
+    from graphattn.passes.trace_cache import TraceCache
+
+    model, _, _ = toy
+    copy_dir = tmp_path / "cache"
+    shutil.copytree(cache_dir, copy_dir)
+    traces = TraceCache(str(copy_dir))
+    key = _compile(model, _options(copy_dir)).info.trace_cache.split("/")[-1][: -len(".bin")]
+    entry, _ = traces.load(key)
+    for spec in entry.binding:  # bind the embedding where a layer weight belongs
+        if spec[0] == "tensor" and spec[1] == "weights.0":
+            spec[1] = "embed"
+    traces.store(key, entry)
+    with caplog.at_level(logging.WARNING, logger="graphattn"):
+        again = _compile(model, _options(copy_dir))
+    assert again.info.trace_source == "dynamo"
+    assert again.info.trace_cache.startswith("missed (the restored graph failed")
+    assert any("failed to run" in r.getMessage() for r in caplog.records)
+    _check_outputs(again, model)
+
+
 _HELPER = """
 FLIP = {flip}
 
@@ -646,7 +815,7 @@ def test_verification_catches_an_entry_its_key_missed(
 
     copy_dir = tmp_path / "cache"
     shutil.copytree(cache_dir, copy_dir)
-    monkeypatch.setattr(compiler_module, "trace_key", lambda *args: "blind")
+    monkeypatch.setattr(compiler_module, "trace_key", lambda *args: ("blind", ""))
     _compile(ToyModel(), _options(copy_dir))  # saves the entry "blind"
     changed = ToyModel()
     changed.position_scale = 0.5
