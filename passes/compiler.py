@@ -33,6 +33,7 @@ from graphattn.passes.piecewise import CompiledPiece, NotCached, PieceCompiler, 
 from graphattn.passes.split import SplitGraph, resolve_splitting_ops, split_graph
 from graphattn.passes.trace_cache import (
     TraceCache,
+    config_description,
     make_entry,
     restore,
     same_graph,
@@ -322,7 +323,9 @@ def _base_factors(
         # Inductor tunes the dynamic build for the traced size (its size hint)
         "trace_tokens": trace_tokens,
     }
-    return base_factors(options.cache_factors, passes.uuid(), settings)
+    factors = base_factors(options.cache_factors, passes.uuid(), settings)
+    # Inductor's config shapes every build (a user's max_autotune, precision flags...)
+    return factors | {"inductor_config": config_description("torch._inductor.config")}
 
 
 def _open_cache(options: CompileOptions, factors: dict[str, Any]) -> CompileCache | None:

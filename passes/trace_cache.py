@@ -346,18 +346,25 @@ def _torch_state(describer: _Describer) -> dict[str, Any]:
         value = getattr(module_globals, name)
         values = list(value.values()) if isinstance(value, dict) else value
         state["global_module_hooks"][name] = describer.value(values, name, 1)
-    # Dynamo's own get_hash() reprs its sets, whose order changes with each process's
-    # string hashing; the description sorts them
     for name in (
         "torch._dynamo.config",
         "torch._functorch.config",
         "torch.fx.experimental._config",
     ):
-        config = importlib.import_module(name)
-        ignored = getattr(config, "_compile_ignored_keys", set())
-        values = {k: v for k, v in config.get_config_copy().items() if k not in ignored}
-        state[name] = describer.value(values, f"<{name}>", 0)
+        state[name] = config_description(name, describer)
     return state
+
+
+def config_description(name: str, describer: _Describer | None = None) -> Any:
+    """A torch config module's values that change compiled code (its compile-ignored keys
+    left out), described so two processes agree: its own ``get_hash()`` reprs sets, whose
+    order changes with each process's string hashing.
+    """
+    config = importlib.import_module(name)
+    ignored = getattr(config, "_compile_ignored_keys", set())
+    values = {k: v for k, v in config.get_config_copy().items() if k not in ignored}
+    describer = describer if describer is not None else _Describer(nn.Module())
+    return describer.value(values, f"<{name}>", 0)
 
 
 def _tensor_meta(t: torch.Tensor | None) -> str:

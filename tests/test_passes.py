@@ -430,6 +430,15 @@ def test_a_changed_factor_misses(toy, cache_dir):
     assert other.info.cache_misses == compiled.info.cache_misses
 
 
+def test_an_inductor_config_change_misses(toy, cache_dir):
+    model, compiled, _ = toy
+    with torch._inductor.config.patch(epilogue_fusion=False):
+        other = _compile(model, _options(cache_dir, compile_sizes=()))
+    assert other.info.cache_key != compiled.info.cache_key
+    assert other.info.trace_source == "dynamo" and other.info.cache_hits == 0
+    _check_outputs(other, model)
+
+
 def test_an_unusable_cache_folder_only_costs_the_cache(toy, tmp_path, caplog):
     model, _, _ = toy
     not_a_folder = tmp_path / "file"
