@@ -110,3 +110,65 @@ def test_compiled_llama_matches_the_eager_engine_on_cuda_in_bf16(backend, tmp_pa
         assert err_compiled <= 2 * err_eager + 2e-3, (err_compiled, err_eager)
     assert compiled.compiled.num_recompiles == 0
     assert compiled.report.compile["inductor_compiles"] > 0
+
+
+def _second_engine_from_the_trace_cache(first, device, dtype, **kwargs):
+    """A second engine of the same model and settings as ``first`` (a fresh copy of the
+    model), built from the trace cache; checked to have run no Dynamo trace.
+    """
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    second = ga.compile(copy.deepcopy(_llama()).to(device, dtype), **kwargs)
+    info = second.report.compile
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    assert (info["trace_source"], info["trace_seconds"], info["inductor_compiles"]) == (
+        "trace cache",
+        0.0,
+        0,
+    )
+    assert info["trace_cache"].startswith("loaded ") and info["warm"]
+    assert info["cache_key"] == first.report.compile["cache_key"]
+    return second
+
+
+def test_a_second_engine_takes_its_trace_from_the_trace_cache(cpu_engines):
+    ref, compiled = cpu_engines
+    assert compiled.report.compile["trace_source"] == "dynamo"
+    second = _second_engine_from_the_trace_cache(
+        compiled,
+        "cpu",
+        torch.float32,
+        cudagraph_mode="NONE",
+        attention_backend="TORCH_REF",
+        compile_backend="inductor",
+        compile_sizes=COMPILE_SIZES,
+        cache_dir=compiled.config.cache_dir,
+        **LIMITS,
+    )
+    seqs = make_seqs(np.random.default_rng(2), [(0, 9), (20, 1), (7, 3)], VOCAB, BLOCK, 64)
+    assert rel_err(run_with_prefixes(second, seqs), run_with_prefixes(ref, seqs)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_a_second_graph_engine_takes_its_trace_from_the_trace_cache(tmp_path):
+    """The trace cache under CUDA graphs: the second engine's graphs replay the same
+    builds, so its decode steps give the first engine's outputs exactly.
+    """
+    kwargs = dict(
+        cudagraph_mode="FULL_AND_PIECEWISE",
+        attention_backend="TRITON",
+        compile_backend="inductor",
+        cache_dir=str(tmp_path),
+        **LIMITS,
+    )
+    first = ga.compile(copy.deepcopy(_llama()).to("cuda", torch.bfloat16), **kwargs)
+    assert first.report.compile["trace_source"] == "dynamo"
+    second = _second_engine_from_the_trace_cache(first, "cuda", torch.bfloat16, **kwargs)
+    assert second.resolved_mode == first.resolved_mode
+    rng = np.random.default_rng(3)
+    prefills = [(0, int(n)) for n in rng.integers(2, 30, 6)]
+    decodes = [(int(c), 1) for c in rng.integers(1, 100, 6)]
+    for shapes in (prefills, decodes):
+        seqs = make_seqs(rng, shapes, VOCAB, BLOCK, LIMITS["num_blocks"])
+        torch.testing.assert_close(
+            run_with_prefixes(second, seqs), run_with_prefixes(first, seqs), rtol=0, atol=0
+        )
