@@ -49,7 +49,8 @@ class Trace:
     signature: InputSignature
     output: torch.Tensor
     seconds: float
-    # source files of every code object Dynamo traced (the trace cache re-checks them)
+    # every code object Dynamo traced, and their source files (the trace cache checks them)
+    traced_code: tuple[types.CodeType, ...] = ()
     traced_files: tuple[str, ...] = ()
 
 
@@ -68,7 +69,7 @@ def trace_model(
 
     def keep_graph(gm: fx.GraphModule, example_inputs: list[Any]):
         captured["gm"], captured["inputs"] = gm, list(example_inputs)
-        captured["files"] = _traced_files()
+        captured["code"] = _traced_code()
 
         def run(*args: Any):
             # Nothing reads the traced call's values (the step runs the compiled pieces), so
@@ -96,7 +97,9 @@ def trace_model(
     binding = InputBinding(gm, inputs, input_ids, positions)
     signature = InputSignature.of(gm, inputs, input_ids, positions)
     seconds = time.perf_counter() - start
-    return Trace(gm, binding, signature, output, seconds, captured["files"])
+    codes = captured["code"]
+    files = tuple(sorted({code.co_filename for code in codes}))
+    return Trace(gm, binding, signature, output, seconds, codes, files)
 
 
 class InputBinding:
@@ -201,17 +204,15 @@ def describe_inputs(input_ids: Any, positions: Any) -> str:
 # -- helpers ------------------------------------------------------------------------------
 
 
-def _traced_files() -> tuple[str, ...]:
-    """Files of the code objects the running Dynamo trace inlined; () where this torch
-    does not record them (the trace cache is then not written).
+def _traced_code() -> tuple[types.CodeType, ...]:
+    """The code objects the running Dynamo trace inlined; () where this torch does not
+    record them (the trace cache is then not written).
     """
     from torch._guards import TracingContext
 
     context = TracingContext.try_get()
     codes = getattr(context, "traced_code", None) if context is not None else None
-    if not codes:
-        return ()
-    return tuple(sorted({code.co_filename for code in codes}))
+    return tuple(dict.fromkeys(codes)) if codes else ()
 
 
 def _size_source(

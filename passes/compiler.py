@@ -184,7 +184,7 @@ def compile_model(
     if built is None or options.verify_trace_cache:
         trace = trace_model(model, input_ids, positions, dump.bytecode_hook if dump else None)
         logger.info("graphattn compile: traced %s in %.2f s", type(model).__name__, trace.seconds)
-        if traces is not None:  # the files as traced, before a compile long enough to edit them
+        if traces is not None:  # files and globals as traced, before a long compile
             sources = trace_sources(trace, model)
         split = _split(trace.graph_module, ops, dump)
         if built is not None:
@@ -324,8 +324,19 @@ def _base_factors(
         "trace_tokens": trace_tokens,
     }
     factors = base_factors(options.cache_factors, passes.uuid(), settings)
-    # Inductor's config shapes every build (a user's max_autotune, precision flags...)
-    return factors | {"inductor_config": config_description("torch._inductor.config")}
+    matmul = torch.backends.cuda.matmul
+    return factors | {
+        # Inductor's config shapes every build (a user's max_autotune, precision flags...)
+        "inductor_config": config_description("torch._inductor.config"),
+        # and the matmul precision its GEMM templates bake in
+        "matmul_precision": [
+            torch.get_float32_matmul_precision(),
+            matmul.allow_tf32,
+            matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction,
+            torch.backends.cudnn.allow_tf32,
+        ],
+    }
 
 
 def _open_cache(options: CompileOptions, factors: dict[str, Any]) -> CompileCache | None:
@@ -434,7 +445,7 @@ def _save_trace(
     key: str,
     note: str,
     trace: Trace,
-    sources: tuple[dict[str, str] | None, str],
+    sources: tuple[dict[str, Any] | None, str],
     split: SplitGraph,
     compiler: PieceCompiler,
     cache: CompileCache | None,
@@ -443,12 +454,12 @@ def _save_trace(
     before = f"{note}; " if note else ""
     if cache is None:
         return before + "not saved (no compile cache)"
-    digests, why = sources
-    if digests is None:
+    checks, why = sources
+    if checks is None:
         logger.info("graphattn compile: trace not saved: %s", why)
         return before + f"not saved ({why})"
     fingerprints = [compiler.fingerprint(p) for p in split.compiled_pieces]
-    entry, why = make_entry(trace, split, fingerprints, cache.factors, model, digests)
+    entry, why = make_entry(trace, split, fingerprints, cache.factors, model, checks)
     if entry is None:
         logger.info("graphattn compile: trace not saved: %s", why)
         return before + f"not saved ({why})"

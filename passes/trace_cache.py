@@ -16,25 +16,31 @@ before tracing:
 
 - the compile cache's factors without the model's sources (engine settings, passes,
   graphattn's compiler source, torch, Triton and Python versions);
-- the model's state (``describe_model``): every module's class and non-tensor attributes
-  (what Dynamo guards on: eps, head counts, flags, config dataclasses, hooks), described
-  by value through containers (dicts in their order), plain objects, modules held outside
-  the module tree, functions (defaults and closure cells) and bound methods (their
-  object); every parameter's and buffer's name, shape, stride, dtype and device; which
-  names share one tensor (tied weights);
+- the model's state (``describe_model``): every module's class, its classes' own
+  attributes, and its non-tensor attributes (what Dynamo guards on: eps, head counts,
+  flags, config dataclasses, hooks), described by value through containers (dicts in
+  their order), plain objects (``__dict__`` and ``__slots__``), dataclasses (fields and
+  other attributes), modules held outside the module tree, functions (their code,
+  defaults and closure cells) and bound methods (their object); every parameter's and
+  buffer's name, shape, stride, dtype, device and tensor type; which names share one
+  tensor (tied weights, a tensor shared by two layers);
 - the trace inputs' dtypes, device and length; torch's default dtype and device, grad,
-  inference and autocast state, global module hooks, and the Dynamo, functorch and FX
-  configs.
+  inference and autocast state, function modes, global module hooks, and the Dynamo,
+  functorch, FX and compiler configs.
 
 A model holding a value the description cannot capture (nested too deep, or of no known
 form: a lock, an extension object) gets no key, and the report says which attribute.
 
-The entry lists every source file the trace went through (the code objects Dynamo
-inlined, the module classes' files) with a hash of each file's contents taken right after
-the trace; torch's own files are left to its version. A load hashes them again; a file
-that changed or is gone is a miss. A trace through code with no file behind it (exec, a
-notebook cell) is not saved. What the key cannot see: a global of the model's code, or a
-class attribute, changed at run time without its file changing. Such a model needs
+The entry also records what the trace read that only exists after tracing, taken right
+after the trace: every source file it went through (the code objects Dynamo inlined, the
+model classes and their bases) with a hash of its contents, torch's own files excepted;
+and the values of the globals the traced code reads (``describe_globals``: a constant
+imported from another file, a module attribute such as ``consts.SCALE``, a function by its
+code, a value set from the environment at import). A load checks both; any change is a
+miss. A trace through code with no file behind it (exec, a notebook cell) is not saved.
+What the key cannot see: state read through torch or the standard library at trace time
+(an environment variable read inside ``forward``), the result of a function marked
+``assume_constant_result``, and state inside extension objects. Such a model needs
 ``trace_cache=False``. With ``debug=True`` every start traces anyway and compares the
 traced graph with the entry's: a difference is reported and the entry replaced.
 
@@ -51,9 +57,13 @@ import enum
 import functools
 import hashlib
 import importlib
+import inspect
 import json
+import logging
 import os
 import pickle
+import sys
+import sysconfig
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +78,7 @@ from graphattn.passes.cache import file_digest, model_source_files, pack, unpack
 from graphattn.passes.split import SplitGraph, split_graph_of
 
 _MAGIC = b"GATRACE1"
-FORMAT = 1
+FORMAT = 2
 _DEPTH = 6  # nesting levels of an attribute's value described; deeper ones are opaque
 
 
@@ -83,6 +93,8 @@ class TraceEntry:
     #                     | ["value", v]
     signature: dict[str, Any]
     sources: dict[str, str]  # source file -> SHA-256 of its contents
+    global_reads: dict[str, list[str]]  # module -> names the traced code reads from it
+    globals: Any  # describe_globals(global_reads) at the trace
 
 
 class TraceCache:
@@ -112,12 +124,20 @@ class TraceCache:
                 raise TypeError(f"a {type(entry).__name__}, not a TraceEntry")
         except Exception as e:  # an entry of another format or graphattn version
             return self._discard(path, f"it does not load ({type(e).__name__}: {e})")
-        for source, digest in entry.sources.items():
-            try:
-                if file_digest(source) != digest:
-                    return None, f"{source} changed since the trace"
-            except OSError:
-                return None, f"{source} is gone"
+        try:
+            for source, digest in entry.sources.items():
+                try:
+                    if file_digest(source) != digest:
+                        return None, f"{source} changed since the trace"
+                except OSError:
+                    return None, f"{source} is gone"
+            now, why = describe_globals(entry.global_reads)
+        except Exception as e:  # an entry this code cannot check: trace instead
+            return None, f"its checks failed ({type(e).__name__}: {e})"
+        if now is None:
+            return None, why
+        if now != entry.globals:
+            return None, "a global the traced code reads changed since the trace"
         return entry, ""
 
     def store(self, key: str, entry: TraceEntry) -> str:
@@ -170,24 +190,77 @@ def describe_model(model: nn.Module) -> list[Any]:
     return _Describer(model).model()
 
 
-def trace_sources(trace: Trace, model: nn.Module) -> tuple[dict[str, str] | None, str]:
-    """Each source file the trace went through (torch's excepted: its version is in the
-    key) with the SHA-256 of its contents, read right after the trace; or None and why the
-    trace cannot be checked later (code with no file behind it: exec, a notebook cell).
+def trace_sources(trace: Trace, model: nn.Module) -> tuple[dict[str, Any] | None, str]:
+    """What a later load checks, read right after the trace (before a compile long enough
+    to edit files): each source file the trace went through or the model's classes come
+    from, with the SHA-256 of its contents (torch's files excepted: its version is in the
+    key), and the globals the traced code reads (``describe_globals``). None and why when
+    the trace cannot be checked later: code with no file behind it (exec, a notebook cell),
+    or a global the description cannot capture.
     """
-    if not trace.traced_files:
+    if not trace.traced_code:
         return None, "this torch does not say which code the trace inlined"
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    sources = {}
     files = set(trace.traced_files) | set(model_source_files(model, trace.graph_module))
-    for path in sorted(files):
-        if os.path.abspath(path).startswith(torch_dir):
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            with contextlib.suppress(TypeError, OSError):
+                files.add(inspect.getsourcefile(cls))
+    sources = {}
+    for path in sorted(f for f in files if f):
+        if _is_torch_file(path):
             continue
         try:
             sources[path] = file_digest(path)
         except OSError:
             return None, f"traced code from {path}, which is not a file that can be checked"
-    return sources, ""
+    reads = global_reads(trace.traced_code)
+    described, why = describe_globals(reads)
+    if described is None:
+        return None, why
+    return {"sources": sources, "global_reads": reads, "globals": described}, ""
+
+
+def global_reads(codes: tuple[types.CodeType, ...]) -> dict[str, list[str]]:
+    """For each module (torch's excepted) whose code the trace inlined, the names that code
+    reads: its globals and attribute names (``co_names``, nested code included).
+    """
+    by_file = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            by_file.setdefault(os.path.abspath(path), module)
+    reads: dict[str, set[str]] = {}
+    for code in codes:
+        if _is_torch_file(code.co_filename):
+            continue
+        module = by_file.get(os.path.abspath(code.co_filename))
+        if module is not None:
+            reads.setdefault(module.__name__, set()).update(_names(code))
+    return {name: sorted(names) for name, names in sorted(reads.items())}
+
+
+def describe_globals(reads: dict[str, list[str]]) -> tuple[Any, str]:
+    """The values of the globals ``reads`` names, as they are now: a constant from another
+    file (``from consts import SCALE``), a module's attribute (``consts.SCALE``), a
+    function's code, a value set at import from the environment. None and why when a
+    module is not imported or a value cannot be described.
+    """
+    describer = _Describer(nn.Module())
+    out = {}
+    for module_name, names in reads.items():
+        module = sys.modules.get(module_name)
+        if module is None:
+            return None, f"module {module_name} the traced code reads is not imported"
+        values = vars(module)
+        wanted = set(names)
+        out[module_name] = {
+            name: describer.global_value(values[name], f"{module_name}.{name}", wanted)
+            for name in names
+            if name in values and not name.startswith("__")
+        }
+    if describer.opaque:
+        return None, f"the traced code reads globals it cannot describe: {describer.opaque[0]}"
+    return out, ""
 
 
 def make_entry(
@@ -196,9 +269,9 @@ def make_entry(
     fingerprints: list[str],
     factors: dict[str, Any],
     model: nn.Module,
-    sources: dict[str, str],
+    checks: dict[str, Any],
 ) -> tuple[TraceEntry | None, str]:
-    """The entry for a cold start's trace (``sources`` from ``trace_sources``), or None and
+    """The entry for a cold start's trace (``checks`` from ``trace_sources``), or None and
     why it cannot be saved.
     """
     binding, why = _binding_spec(trace.binding, model)
@@ -220,7 +293,9 @@ def make_entry(
                 "device": str(signature.device),
                 "same_length": signature.same_length,
             },
-            sources=dict(sources),
+            sources=dict(checks["sources"]),
+            global_reads=checks["global_reads"],
+            globals=checks["globals"],
         ),
         "",
     )
@@ -309,16 +384,23 @@ def _binding_spec(binding: InputBinding, model: nn.Module) -> tuple[list[Any] | 
 def _tensor_paths(model: nn.Module) -> dict[int, str]:
     """id of each tensor the model holds -> its dotted path (the first path found)."""
     paths: dict[int, str] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{name}." if name else ""
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor):
-                paths.setdefault(id(value), prefix + attr)
-        for kind in ("_parameters", "_buffers"):
-            for attr, value in getattr(module, kind).items():
-                if value is not None:
-                    paths.setdefault(id(value), prefix + attr)
+    for path, value in _held_tensors(model):
+        paths.setdefault(id(value), path)
     return paths
+
+
+def _held_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every parameter and buffer, then every plain tensor attribute."""
+    held = []
+    modules = list(model.named_modules(remove_duplicate=False))
+    for name, module in modules:
+        prefix = f"{name}." if name else ""
+        for kind in ("_parameters", "_buffers"):
+            held += [(prefix + a, t) for a, t in getattr(module, kind).items() if t is not None]
+    for name, module in modules:
+        prefix = f"{name}." if name else ""
+        held += [(prefix + a, t) for a, t in vars(module).items() if isinstance(t, torch.Tensor)]
+    return held
 
 
 def _resolve(model: nn.Module, path: str) -> Any:
@@ -337,6 +419,9 @@ def _torch_state(describer: _Describer) -> dict[str, Any]:
             [torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))]
             for d in ("cpu", "cuda")
         ],
+        "function_modes": [
+            _qualname(type(m)) for m in torch.overrides._get_current_function_mode_stack()
+        ],
     }
     from torch.nn.modules import module as module_globals
 
@@ -346,23 +431,33 @@ def _torch_state(describer: _Describer) -> dict[str, Any]:
         value = getattr(module_globals, name)
         values = list(value.values()) if isinstance(value, dict) else value
         state["global_module_hooks"][name] = describer.value(values, name, 1)
-    for name in (
+    configs = [
         "torch._dynamo.config",
         "torch._functorch.config",
         "torch.fx.experimental._config",
-    ):
-        state[name] = config_description(name, describer)
+        "torch.compiler.config",
+    ]
+    for name in configs:
+        with contextlib.suppress(ImportError):  # torch.compiler.config is newer than 2.11?
+            state[name] = config_description(name, describer)
     return state
 
 
 def config_description(name: str, describer: _Describer | None = None) -> Any:
-    """A torch config module's values that change compiled code (its compile-ignored keys
-    left out), described so two processes agree: its own ``get_hash()`` reprs sets, whose
-    order changes with each process's string hashing.
+    """A torch config module's values that change compiled code, described so that two
+    processes agree: its compile-ignored keys left out and, where the module has them, its
+    cache-ignored prefixes (Inductor's hold the working directory and the CPU count). Its
+    own ``get_hash()`` will not do: it reprs sets, whose order changes with each process's
+    string hashing.
     """
     config = importlib.import_module(name)
-    ignored = getattr(config, "_compile_ignored_keys", set())
-    values = {k: v for k, v in config.get_config_copy().items() if k not in ignored}
+    ignored = set(getattr(config, "_compile_ignored_keys", ()))
+    prefixes = tuple(getattr(config, "_cache_config_ignore_prefix", ()))
+    values = {
+        k: v
+        for k, v in config.get_config_copy().items()
+        if k not in ignored and not (prefixes and k.startswith(prefixes))
+    }
     describer = describer if describer is not None else _Describer(nn.Module())
     return describer.value(values, f"<{name}>", 0)
 
@@ -370,7 +465,7 @@ def config_description(name: str, describer: _Describer | None = None) -> Any:
 def _tensor_meta(t: torch.Tensor | None) -> str:
     if t is None:
         return "None"
-    kind = "param" if isinstance(t, nn.Parameter) else "tensor"
+    kind = {torch.Tensor: "tensor", nn.Parameter: "param"}.get(type(t), _qualname(type(t)))
     return f"{kind} {t.dtype} {list(t.shape)} {list(t.stride())} {t.device} {t.requires_grad}"
 
 
@@ -378,12 +473,59 @@ def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def _is_torch_file(path: str) -> bool:
+    return os.path.abspath(path).startswith(_TORCH_DIR)
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+_SITE = tuple(os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib"))
+
+
+def _is_library_module(module: types.ModuleType) -> bool:
+    """torch, the standard library or a builtin module: its version covers its values."""
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        return True  # builtin (sys, math) or a namespace package
+    path = os.path.abspath(path)
+    in_stdlib = path.startswith(_STDLIB) and not path.startswith(_SITE)
+    return path.startswith(_TORCH_DIR) or in_stdlib
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` and the code nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def code_digest(code: types.CodeType) -> str:
+    """SHA-256 of what a code object does: its bytecode, names and constants (nested code
+    by its own digest, sets sorted), not its line numbers.
+    """
+
+    def const(c: Any) -> Any:
+        if isinstance(c, types.CodeType):
+            return code_digest(c)
+        if isinstance(c, (frozenset, set)):
+            return ["set", sorted(json.dumps(const(x)) for x in c)]
+        if isinstance(c, tuple):
+            return ["tuple", [const(x) for x in c]]
+        return repr(c)
+
+    parts = [code.co_code.hex(), list(code.co_names), [const(c) for c in code.co_consts]]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
 class _Describer:
     """Describes a model and the values it holds as JSON-able data: exact for plain data,
-    structural for containers, objects, functions (defaults, closure cells) and bound
-    methods (their object); a registered module by its path. What it cannot describe
-    (past ``_DEPTH`` levels, or with neither ``__dict__`` nor a known form) is listed in
-    ``opaque``, and a model with any has no trace cache key.
+    structural for containers, objects (their ``__dict__`` and ``__slots__``), dataclasses
+    (fields and other attributes), functions (their code, defaults and closure cells) and
+    bound methods (their object); a registered module by its path. What it cannot describe
+    (past ``_DEPTH`` levels, or of no known form) is listed in ``opaque``, and a model
+    with any has no trace cache key.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -399,20 +541,42 @@ class _Describer:
         return out
 
     def module(self, module: nn.Module, path: str, depth: int) -> list[Any]:
+        state = vars(module)
+        # hook dicts are keyed by handle ids, a global counter: rank them per module instead
+        handles = sorted(
+            {k for a, v in state.items() if "hooks" in a and isinstance(v, dict) for k in v}
+            - {None},
+            key=repr,
+        )
+        rank = {h: i for i, h in enumerate(handles)}
         attrs = {}
-        for attr, value in sorted(vars(module).items()):
+        for attr, value in sorted(state.items()):
             if attr in ("_parameters", "_buffers", "_modules"):
                 continue
             where = f"{path}.{attr}" if path else attr
-            if "hooks" in attr and isinstance(value, dict):  # handle ids are not the hook
-                attrs[attr] = [self.value(v, where, depth + 1) for v in value.values()]
-            else:
-                attrs[attr] = self.value(value, where, depth)
+            if "hooks" in attr and isinstance(value, dict):
+                value = {rank.get(k, k): v for k, v in value.items()}
+            attrs[attr] = self.value(value, where, depth)
         tensors = {
             kind: {k: _tensor_meta(t) for k, t in getattr(module, kind).items()}
             for kind in ("_parameters", "_buffers")
         }
-        return [path, _qualname(type(module)), attrs, tensors]
+        classes = [self._class(cls, path, depth) for cls in type(module).__mro__]
+        return [path, _qualname(type(module)), attrs, tensors, [c for c in classes if c]]
+
+    def global_value(self, value: Any, path: str, names: set[str]) -> Any:
+        """A module global the traced code reads; of a module, the attributes in ``names``."""
+        if isinstance(value, types.ModuleType):
+            if _is_library_module(value):
+                return f"module {value.__name__}"
+            attrs = vars(value)
+            read = sorted(n for n in names if n in attrs and not n.startswith("__"))
+            return [
+                "module",
+                value.__name__,
+                {n: self.value(attrs[n], f"{path}.{n}", 1) for n in read},
+            ]
+        return self.value(value, path, 0)
 
     def value(self, value: Any, path: str, depth: int) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -421,17 +585,25 @@ class _Describer:
             return f"bytes:{hashlib.sha256(value).hexdigest()[:16]}"
         if isinstance(value, enum.Enum):
             return f"{_qualname(type(value))}.{value.name}"
-        if isinstance(value, (torch.dtype, torch.device, torch.Size)):
+        if isinstance(value, (torch.dtype, torch.device, torch.Size, torch.memory_format)):
             return f"{type(value).__name__}:{value}"
         if isinstance(value, torch.Tensor):
             return _tensor_meta(value)
         if isinstance(value, np.ndarray):
             digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
             return f"ndarray {value.dtype} {list(value.shape)} {digest}"
+        if isinstance(value, (np.generic,)):
+            return f"{type(value).__name__}:{value!r}"
         if isinstance(value, nn.Module) and id(value) in self.paths:
             return f"module at {self.paths[id(value)]!r}"  # described in its own entry
         if isinstance(value, type):
             return f"class {_qualname(value)}"
+        if isinstance(value, types.ModuleType):
+            return f"module {value.__name__}"
+        if isinstance(value, logging.Logger):
+            return f"logger {value.name}"
+        if type(value).__module__ == "typing":  # typing.Any, Optional[...]: annotations
+            return f"typing {value!r}"
         if depth >= _DEPTH:
             return self._opaque(value, path, "nested too deep")
         inner = depth + 1
@@ -440,18 +612,24 @@ class _Describer:
         if isinstance(value, functools.partial):
             parts = [value.func, value.args, value.keywords]
             return ["partial", self.value(parts, path, inner)]
+        if isinstance(value, (classmethod, staticmethod)):
+            return [type(value).__name__, self.value(value.__func__, path, inner)]
+        if isinstance(value, property):
+            parts = [value.fget, value.fset]
+            return ["property", self.value(parts, path, inner)]
         if isinstance(value, types.MethodType):
-            return [
-                "method",
-                self.value(value.__func__, path, inner),
-                self.value(value.__self__, f"{path}.__self__", inner),
-            ]
+            func = self.value(value.__func__, path, inner)
+            return ["method", func, self.value(value.__self__, f"{path}.__self__", inner)]
         if isinstance(value, types.FunctionType):
             cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
             parts = [value.__defaults__, value.__kwdefaults__, cells]
-            return ["function", _qualname(value), self.value(parts, path, inner)]
+            code = code_digest(value.__code__)
+            return ["function", _qualname(value), code, self.value(parts, path, inner)]
         if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
-            return f"builtin {_qualname(value)}"
+            owner = getattr(value, "__self__", None)
+            if owner is None or isinstance(owner, types.ModuleType):
+                return f"builtin {_qualname(value)}"
+            return ["builtin method", value.__name__, self.value(owner, path, inner)]
         if isinstance(value, (list, tuple)):
             items = [self.value(v, f"{path}[{i}]", inner) for i, v in enumerate(value)]
             return [type(value).__name__, items]
@@ -459,24 +637,51 @@ class _Describer:
             items = (json.dumps(self.value(v, f"{path}{{}}", inner)) for v in value)
             return ["set", sorted(items)]
         if isinstance(value, dict):  # in insertion order: code may iterate it
-            items = value.items()
-            return [
-                "dict",
-                [
-                    [self.value(k, path, inner), self.value(v, f"{path}[{k!r}]", inner)]
-                    for k, v in items
-                ],
+            items = [
+                [self.value(k, path, inner), self.value(v, f"{path}[{k!r}]", inner)]
+                for k, v in value.items()
             ]
+            return ["dict", items]
+        attrs = self._attributes(value)
+        if attrs is None:
+            return self._opaque(value, path, "no known form")
+        described = {k: self.value(v, f"{path}.{k}", inner) for k, v in attrs.items()}
+        return [_qualname(type(value)), described]
+
+    def _attributes(self, value: Any) -> dict[str, Any] | None:
+        """An object's state: dataclass fields, ``__slots__`` and ``__dict__``; None for an
+        object with none of them (an extension type: a lock, a generator).
+        """
+        attrs: dict[str, Any] = {}
+        found = False
         if dataclasses.is_dataclass(value):
-            fields = {
-                f.name: self.value(getattr(value, f.name, _UNSET), f"{path}.{f.name}", inner)
-                for f in dataclasses.fields(value)
-            }
-            return [_qualname(type(value)), fields]
-        if hasattr(value, "__dict__") and not callable(value):
-            attrs = {k: self.value(v, f"{path}.{k}", inner) for k, v in sorted(vars(value).items())}
-            return [_qualname(type(value)), attrs]
-        return self._opaque(value, path, "no known form")
+            found = True
+            for f in dataclasses.fields(value):
+                attrs[f.name] = getattr(value, f.name, _UNSET)
+        for cls in type(value).__mro__:
+            slots = vars(cls).get("__slots__", ())
+            for slot in (slots,) if isinstance(slots, str) else slots:
+                if slot not in ("__dict__", "__weakref__"):
+                    found = True
+                    attrs.setdefault(slot, getattr(value, slot, _UNSET))
+        if hasattr(value, "__dict__"):
+            found = True
+            for k, v in sorted(vars(value).items()):
+                attrs.setdefault(k, v)
+        return attrs if found else None
+
+    def _class(self, cls: type, path: str, depth: int) -> list[Any] | None:
+        """A module class's own attributes (not torch's or object's): class constants the
+        code reads and methods a program may have replaced at run time.
+        """
+        if cls is object or cls.__module__.startswith("torch"):
+            return None
+        attrs = {
+            k: self.value(v, f"{path}<{cls.__name__}>.{k}", depth + 1)
+            for k, v in vars(cls).items()
+            if not (k.startswith("__") and k.endswith("__")) and k != "_abc_impl"
+        }
+        return [_qualname(cls), attrs]
 
     def _opaque(self, value: Any, path: str, why: str) -> str:
         self.opaque.append(f"{path or '<model>'} ({type(value).__name__}: {why})")
@@ -484,21 +689,16 @@ class _Describer:
 
     def _aliases(self) -> list[list[str]]:
         """[path, first path] for every tensor the model holds under more than one path
-        (tied weights): the trace binds one graph input to both.
+        (tied weights, a tensor shared by two layers): the trace binds one graph input to
+        all of them.
         """
         first: dict[int, str] = {}
         aliases = []
-        for name, module in self.root.named_modules(remove_duplicate=False):
-            prefix = f"{name}." if name else ""
-            for kind in ("_parameters", "_buffers"):
-                for attr, t in getattr(module, kind).items():
-                    if t is None:
-                        continue
-                    path = prefix + attr
-                    if id(t) in first:
-                        aliases.append([path, first[id(t)]])
-                    else:
-                        first[id(t)] = path
+        for path, t in _held_tensors(self.root):
+            if id(t) in first:
+                aliases.append([path, first[id(t)]])
+            else:
+                first[id(t)] = path
         return aliases
 
 

@@ -365,12 +365,16 @@ print(json.dumps(dict(hits=info.cache_hits, misses=info.cache_misses, warm=info.
 
 
 @pytest.mark.parametrize("trace_cache", [True, False])
-def test_warm_start_in_a_fresh_process_loads_every_piece(toy, cache_dir, trace_cache):
+def test_warm_start_in_a_fresh_process_loads_every_piece(toy, cache_dir, trace_cache, tmp_path):
     _, compiled, _ = toy
     script = _WARM_START.format(
         tests=os.path.dirname(__file__), cache=str(cache_dir), trace_cache=trace_cache
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    # another working directory and string-hash seed: neither may change a key
+    env = os.environ | {"PYTHONHASHSEED": "12345"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     builds = compiled.info.cache_misses
@@ -535,12 +539,25 @@ class _Late:
     ready: bool = dataclasses.field(init=False)  # never set: reading it raises
 
 
+_ACTS = {"double": lambda x: x * 2, "neg": lambda x: -x}
+
+
+@dataclasses.dataclass
+class _Config:
+    heads: int
+
+
 def _describe_pair(change):
     """describe_model of two fresh toys, ``change`` applied to the second one."""
     from graphattn.passes.trace_cache import describe_model
 
     a, b = ToyModel(), ToyModel()
     for model in (a, b):
+        model.config = _Config(2)
+        model.config.logit_scale = 1.0
+        model.shared, model.other = torch.zeros(2), torch.zeros(2)
+        model.act_method = torch.zeros(2).mul
+        model.act = _ACTS["double"]
         model.fn = _scaler(2.0)
         model.steps = [nn.LeakyReLU(0.1)]  # a module outside the module tree
         model.order = {"norm": 1, "gate": 2}
@@ -558,8 +575,23 @@ def _describe_pair(change):
         lambda m: setattr(m, "order", {"gate": 2, "norm": 1}),  # dict order (code may loop)
         lambda m: m.table.__setitem__(0, 7),  # an array's contents
         lambda m: setattr(m, "method", m.steps[0].forward),  # a bound method
+        lambda m: setattr(m, "act", _ACTS["neg"]),  # another lambda: same name, other code
+        lambda m: setattr(m.config, "logit_scale", 3.0),  # a dataclass's non-field attribute
+        lambda m: setattr(m, "shared", m.other),  # two names for one plain tensor
+        lambda m: setattr(m, "act_method", torch.ones(3).mul),  # a builtin method's object
     ],
-    ids=["tied", "closure", "hidden-module", "dict-order", "ndarray", "bound-method"],
+    ids=[
+        "tied",
+        "closure",
+        "hidden-module",
+        "dict-order",
+        "ndarray",
+        "bound-method",
+        "same-named-lambda",
+        "dataclass-extra",
+        "shared-plain-tensor",
+        "builtin-method",
+    ],
 )
 def test_describe_model_sees_what_a_trace_reads(change):
     a, b = _describe_pair(change)
@@ -612,12 +644,15 @@ def test_trace_sources_check_everything_but_torch(toy):
     model = ToyModel()
     with torch.inference_mode():
         trace = trace_model(model, *_inputs(8))
-    sources, why = trace_sources(trace, model)
+    checks, why = trace_sources(trace, model)
+    sources = checks["sources"]
     assert why == "" and os.path.abspath(__file__) in sources
     assert not any(p.startswith(os.path.dirname(torch.__file__)) for p in sources)
+    # the globals the toy's forward reads from this file, by value
+    assert checks["globals"]["test_passes"]["HIDDEN"] == repr(HIDDEN)
     # the standard library (where site-packages can live) is checked, not assumed
     stdlib = dc.replace(trace, traced_files=(*trace.traced_files, json_module.__file__))
-    assert json_module.__file__ in trace_sources(stdlib, model)[0]
+    assert json_module.__file__ in trace_sources(stdlib, model)[0]["sources"]
     # code with no file behind it (exec, a notebook cell) cannot be checked: not saved
     no_file = dc.replace(trace, traced_files=("<cell 3>",))
     assert trace_sources(no_file, model) == (
@@ -749,6 +784,62 @@ def test_a_changed_helper_file_misses_though_it_adds_no_graph_node(tmp_path, mon
         ids, pos = _inputs(5)
         assert changed(ids, pos).sum() < 0
         torch.testing.assert_close(changed(ids, pos), model(ids, pos))
+
+
+_CONSTS = """
+SCALE = 2
+"""
+
+_GLOBALS_MODEL = """
+from torch import nn
+
+import tiny_consts
+from tiny_consts import SCALE
+
+
+class Base(nn.Module):
+    OFFSET = 1
+
+
+class UsesGlobals(Base):
+    def forward(self, input_ids, positions):
+        x = (input_ids + positions).float()
+        return x * tiny_consts.SCALE * SCALE + self.OFFSET
+"""
+
+
+def test_globals_and_class_attributes_the_trace_read_are_checked(tmp_path, monkeypatch):
+    """Values from other files (a module's attribute, a from-import, a base class's
+    attribute) are baked into the graph; a change to any of them, on disk or at run
+    time, must miss the trace cache.
+    """
+    code_dir = tmp_path / "code"
+    code_dir.mkdir()
+    (code_dir / "tiny_consts.py").write_text(_CONSTS)
+    (code_dir / "tiny_globals_model.py").write_text(_GLOBALS_MODEL)
+    monkeypatch.syspath_prepend(str(code_dir))
+    import tiny_consts
+    import tiny_globals_model as m
+
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), cache_factors={"test": "g"})
+
+    def compile_and_check(expect_source):
+        torch._dynamo.reset()  # a value seen twice would become a graph input otherwise
+        model = m.UsesGlobals()
+        compiled = _compile(model, options, n=8)
+        assert compiled.info.trace_source == expect_source, compiled.info.trace_cache
+        _check_outputs(compiled, model)
+        return compiled.info.trace_cache
+
+    assert "saved" in compile_and_check("dynamo")
+    assert compile_and_check("trace cache").startswith("loaded")
+    monkeypatch.setattr(tiny_consts, "SCALE", 3)  # read as tiny_consts.SCALE
+    assert "a global the traced code reads changed" in compile_and_check("dynamo")
+    monkeypatch.setattr(m, "SCALE", 5)  # the from-import's copy
+    assert "a global the traced code reads changed" in compile_and_check("dynamo")
+    monkeypatch.setattr(m.Base, "OFFSET", 4)  # a base class's attribute: another key
+    assert compile_and_check("dynamo").startswith("missed (no entry)")
+    assert compile_and_check("trace cache").startswith("loaded")
 
 
 _GLOBAL_TABLE = torch.arange(VOCAB, dtype=torch.float32)
