@@ -172,3 +172,37 @@ def test_a_second_graph_engine_takes_its_trace_from_the_trace_cache(tmp_path):
         torch.testing.assert_close(
             run_with_prefixes(second, seqs), run_with_prefixes(first, seqs), rtol=0, atol=0
         )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(rms_norm_eps=1e-3),
+        dict(rope_theta=500000.0),
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            }
+        ),
+        dict(tie_word_embeddings=True),
+        dict(attention_bias=True),
+    ],
+    ids=["eps", "rope-theta", "rope-scaling", "tied-head", "bias"],
+)
+def test_every_llama_config_change_changes_the_trace_cache_key(change):
+    from graphattn.passes.trace_cache import trace_key
+
+    def key(cfg):
+        model = init_random_weights(LlamaForCausalLM(cfg))
+        ids = torch.zeros(8, dtype=torch.long)
+        found, why = trace_key({}, model, ids, ids)
+        assert found, why
+        return found
+
+    base = LlamaConfig.tiny()
+    assert key(base) == key(LlamaConfig.tiny())
+    assert key(LlamaConfig.tiny(**change)) != key(base)
