@@ -3,7 +3,10 @@
 ``compile_model`` runs the phases in order: trace (backend.py) -> split (split.py) ->
 build every compiled piece (piecewise.py: Inductor through the compile cache, identical
 pieces once) -> one run through the compiled pieces -> a specialised build per
-``compile_sizes`` entry -> the piece wrapper. The engine relies on the names in this file.
+``compile_sizes`` entry -> the piece wrapper. When the trace cache (trace_cache.py) holds
+this model's trace and the compile cache every build, the first two phases are skipped:
+the split graph comes from the entry and no Dynamo trace runs. The engine relies on the
+names in this file.
 """
 
 from __future__ import annotations
@@ -433,9 +436,9 @@ def _verified(built: _Built, fresh: SplitGraph, note: str) -> tuple[_Built | Non
         return built, f"{note} (verified: a fresh trace gives the same graph)"
     logger.warning(
         "graphattn compile: the trace cache entry differs from a fresh trace of the model: "
-        "its key missed a change (a global of the model's code, or an attribute it cannot "
-        "describe); using the fresh trace and replacing the entry. Pass trace_cache=False "
-        "for this model."
+        "its key missed a change (state it cannot see, such as an environment variable "
+        "read in forward; see passes/trace_cache.py); using the fresh trace and replacing "
+        "the entry. Pass trace_cache=False for this model."
     )
     return None, "stale entry replaced (debug found a fresh trace differs)"
 
