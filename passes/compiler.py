@@ -342,10 +342,15 @@ def _base_factors(
     }
 
 
+def _cache_root(options: CompileOptions) -> str:
+    """The folder both caches live under."""
+    return options.cache_dir or envs.cache_root()
+
+
 def _open_cache(options: CompileOptions, factors: dict[str, Any]) -> CompileCache | None:
     if options.compile_backend == "eager":  # nothing compiled, nothing to cache
         return None
-    root = options.cache_dir or envs.cache_root()
+    root = _cache_root(options)
     try:
         return CompileCache(root, factors)
     except OSError as e:
@@ -369,7 +374,7 @@ def _open_trace_cache(
         return None, "", "off (it serves the inductor backend)"
     if options.debug_dump_path:
         return None, "", "off (debug_dump_path is set: the dump needs a trace)"
-    root = options.cache_dir or envs.cache_root()
+    root = _cache_root(options)
     try:
         traces = TraceCache(root)
     except OSError as e:
@@ -403,7 +408,7 @@ def _from_trace_cache(
         return None, f"missed ({why})"
     try:
         binding, signature, split = restore(entry, model, ops)
-        cache = CompileCache(options.cache_dir or envs.cache_root(), entry.factors)
+        cache = CompileCache(_cache_root(options), entry.factors)
     except Exception as e:  # an entry this code cannot rebuild: trace instead
         return None, f"missed (the entry does not restore: {type(e).__name__}: {e})"
     if len(entry.fingerprints) != len(split.compiled_pieces):
