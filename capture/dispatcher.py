@@ -63,6 +63,7 @@ class CudagraphDispatcher:
             if mode.has_piecewise_cudagraphs():
                 self.keys[M.PIECEWISE].append(BatchDescriptor(size))
         self._full = set(self.keys[M.FULL])
+        self._memo: dict[tuple[int, int, bool], Dispatch] = {}  # a decode loop repeats a few
 
     @property
     def max_size(self) -> int:
@@ -70,6 +71,15 @@ class CudagraphDispatcher:
 
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
         """The runtime mode and padded key of one step (no key for NONE)."""
+        args = (num_tokens, num_reqs, uniform_decode)
+        out = self._memo.get(args)
+        if out is None:
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            out = self._memo[args] = self._dispatch(*args)
+        return out
+
+    def _dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
         if self.mode == M.NONE:
             return Dispatch(M.NONE, None)
         if num_tokens > self.max_size:

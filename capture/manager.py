@@ -68,11 +68,15 @@ class CaptureManager:
 
         return wrap
 
-    def wrap_model(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        """``forward`` under a FULL wrapper when the mode has full graphs."""
+    def wrap_model(
+        self, forward: Callable[..., Any], prologue: Callable[[Any], None] | None = None
+    ) -> Callable[..., Any]:
+        """``forward`` under a FULL wrapper when the mode has full graphs; ``prologue(key)``
+        is captured at the head of each full graph (see ``CUDAGraphWrapper``).
+        """
         if not self.mode.has_full_cudagraphs():
             return forward
-        return CUDAGraphWrapper(forward, M.FULL, self.state, name="model")
+        return CUDAGraphWrapper(forward, M.FULL, self.state, name="model", prologue=prologue)
 
     def capture(self, runner: Capturer, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Capture every graph (start-up only); what the report shows about it.

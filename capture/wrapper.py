@@ -77,6 +77,11 @@ class CUDAGraphWrapper:
     ``runnable`` must read its inputs from fixed addresses (persistent buffers, weights,
     outputs of earlier graphs of the same pool); in debug mode every replay checks that
     the tensor arguments sit where they sat at capture.
+
+    ``prologue(key)``, when given, is captured at the head of every graph and never called
+    outside one: work each replay must repeat before ``runnable`` (the runner's host-to-device
+    input copies), which then costs no host call per step. When the wrapper calls through
+    (another runtime mode), the caller has done that work itself.
     """
 
     def __init__(
@@ -86,11 +91,13 @@ class CUDAGraphWrapper:
         state: CaptureState,
         *,
         name: str = "",
+        prologue: Callable[[Any], None] | None = None,
     ) -> None:
         self.runnable = runnable
         self.runtime_mode = runtime_mode
         self.state = state
         self.name = name or getattr(runnable, "__name__", type(runnable).__name__)
+        self.prologue = prologue
         self.entries: dict[Any, _Entry] = {}
 
     def __call__(self, *args: Any) -> Any:
@@ -116,6 +123,8 @@ class CUDAGraphWrapper:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.state.pool)
         try:
+            if self.prologue is not None:
+                self.prologue(key)
             output = self.runnable(*args)
         except RuntimeError as e:
             _abandon(graph)

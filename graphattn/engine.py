@@ -76,10 +76,16 @@ class CompiledModel:
         self.compile_sizes = config.resolved_compile_sizes(self.device, graphed, self.dtype)
         self.compiled = self._compile()
         forward = self.compiled if self.compiled is not None else self.model
-        self.runner.forward = self.graphs.wrap_model(forward)
+        self.runner.copies_in_full_graphs = self.runner.can_copy_in_graphs
+        prologue = self.runner.full_graph_prologue if self.runner.copies_in_full_graphs else None
+        self.runner.forward = self.graphs.wrap_model(forward, prologue)
         weights = dict(self.model.named_parameters())
         weights.update(self.model.named_buffers())
         self.capture_info = self.graphs.capture(self.runner, weights)
+        if self.graphs.mode.has_full_cudagraphs():
+            self.capture_info["input_copies"] = (
+                "inside full graphs" if self.runner.copies_in_full_graphs else "before each step"
+            )
         self.runner.planner = self.graphs.dispatcher.dispatch
         self.report = self._make_report(time.perf_counter() - start)
         logger.info("graphattn engine ready:\n%s", self.report)

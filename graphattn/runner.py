@@ -92,8 +92,10 @@ class ModelRunner:
         self._arange = np.arange(max(limits.max_num_seqs, limits.max_num_tokens) + 1)
         self._view_cache: dict[tuple[int, int], tuple[dict[str, Any], list]] = {}
         # Each step's host copies must have left the pinned staging buffers before the
-        # next step overwrites them.
-        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        # next step overwrites them. External: full graphs record it (see full_graph_prologue).
+        self._copies_done = torch.cuda.Event(external=True) if device.type == "cuda" else None
+        # Set by the engine when its full graphs copy the inputs themselves.
+        self.copies_in_full_graphs = False
         self._streams: dict[int, torch.cuda.Stream] = {}  # raw stream -> Stream, for record
         self._device_index = (
             (device.index if device.index is not None else torch.cuda.current_device())
@@ -138,7 +140,8 @@ class ModelRunner:
         else:
             plan = self._fill_mixed(batch)
         self._pad(plan)
-        self._copy_to_device(plan)
+        if not (self.copies_in_full_graphs and plan.runtime_mode == CUDAGraphMode.FULL):
+            self._copy_to_device(plan)
         return plan
 
     def _fill_decode(self, batch: Batch) -> StepPlan:
@@ -277,6 +280,25 @@ class ModelRunner:
         return out.clone() if plan.runtime_mode != CUDAGraphMode.NONE else out
 
     # -- capture ----------------------------------------------------------------------
+
+    @property
+    def can_copy_in_graphs(self) -> bool:
+        """Whether full graphs may take the step's host-to-device input copies: on CUDA, and
+        when no builder reads the device inputs in ``build`` (which runs before the replay).
+        """
+        return self._copies_done is not None and not any(
+            g.builder is not None and g.builder.reads_device_inputs_in_build
+            for g in self.attn_groups
+        )
+
+    def full_graph_prologue(self, key: BatchDescriptor) -> None:
+        """Captured at the head of each full graph: the input copies of a step of ``key``'s
+        padded size, then the copies-done event. A replay then moves the pinned buffers as it
+        runs, so a FULL step makes no copy call; the pinned buffers stay untouched until the
+        event (the next ``execute`` waits for it).
+        """
+        self.buffers.copy_to_device(key.num_tokens, key.num_reqs)
+        self._copies_done.record(self._current_stream())
 
     def capture_graphs(
         self, keys: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], warmups: int = 1

@@ -238,3 +238,107 @@ def test_update_op_inside_pieces_writes_every_step(model, cache_dir, mode):
             assert rel_err(a, b) < 2e-2, (shapes, name)
     assert eng.stats.recompiles == 0 and eng.stats.captures_after_startup == 0
     assert eng.stats.runtime_modes.get("PIECEWISE", 0) > 0
+
+
+def _decode_seqs(n, seed):
+    """n decode requests with distinct prompts (prefilled in each engine by the caller)."""
+    return _seqs([(int(c), 1) for c in np.random.default_rng(seed).integers(5, 150, n)], seed)
+
+
+def test_full_steps_copy_their_inputs_inside_the_graph(model, cache_dir, monkeypatch):
+    """A FULL replay moves the pinned inputs itself: the step makes no copy call, a PIECEWISE
+    step makes its one, and both compute what the eager engine does."""
+    ref, eng = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE)
+    assert eng.report.capture["input_copies"] == "inside full graphs"
+    calls = []
+    original = eng.runner.buffers.copy_to_device
+    monkeypatch.setattr(
+        eng.runner.buffers, "copy_to_device", lambda *a: (calls.append(a), original(*a))
+    )
+    for shapes, mode, copies in (
+        ([(c, 1) for c in (9, 40, 77, 120)], "FULL", 0),
+        ([(0, 7), (30, 1)], "PIECEWISE", 1),
+        ([(c, 1) for c in (3, 60)], "FULL", 0),
+    ):
+        seqs = _seqs(shapes, len(calls) + 11)
+        for e in (ref, eng):
+            prefill_prefixes(e, seqs)
+        calls.clear()
+        before = eng.stats.runtime_modes[mode]
+        batch = ga.Batch.from_requests([s.request() for s in seqs])
+        out = eng.step(batch)
+        out_ref = ref.step(batch)
+        assert eng.stats.runtime_modes[mode] == before + 1
+        assert len(calls) == copies, (mode, calls)
+        assert rel_err(out, out_ref) < 2e-2, shapes
+
+
+def test_full_steps_queued_behind_a_busy_gpu_read_their_own_inputs(model, cache_dir):
+    """Steps queued while the GPU is busy: each graph's copies read the pinned buffers when
+    the GPU reaches them, so the next step must not refill them before then."""
+    ref, eng = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE)
+    every = _decode_seqs(32, 300)  # disjoint blocks: all prefills happen before any decode
+    groups = [every[i : i + 8] for i in range(0, 32, 8)]
+    for e in (ref, eng):
+        prefill_prefixes(e, every)
+    expected = [ref.step(ga.Batch.from_requests([s.request() for s in g])) for g in groups]
+    batches = [ga.Batch.from_requests([s.request() for s in seqs]) for seqs in groups]
+
+    def queued_steps():
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work ahead of every step below
+        outs = [eng.step(b) for b in batches]
+        torch.cuda.synchronize()
+        return [rel_err(out, out_ref) for out, out_ref in zip(outs, expected)]
+
+    before = eng.stats.runtime_modes["FULL"]
+    errors = queued_steps()
+    assert eng.stats.runtime_modes["FULL"] == before + len(batches)
+    assert max(errors) < 2e-2, errors
+
+    # The control: without the wait for the copies-done event, the same steps refill the
+    # pinned buffers before the queued graphs copy them, and read another step's inputs.
+    class NoWait:
+        def synchronize(self):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+    event, eng.runner._copies_done = eng.runner._copies_done, NoWait()
+    try:
+        assert max(queued_steps()) > 0.1
+    finally:
+        eng.runner._copies_done = event
+
+
+def test_a_builder_reading_device_inputs_gets_them_before_build(model, cache_dir, monkeypatch):
+    """A builder that declares reads_device_inputs_in_build keeps the copies out of the
+    graphs: every step copies before build, and FULL steps still match eager."""
+    from graphattn.attention.backends.triton_attn import TritonMetadataBuilder
+
+    monkeypatch.setattr(TritonMetadataBuilder, "reads_device_inputs_in_build", True)
+    ref, _ = _engines(model, cache_dir, "TRITON", M.NONE)
+    eng = ga.compile(
+        copy.deepcopy(model),
+        cudagraph_mode=M.FULL_DECODE_ONLY,
+        attention_backend="TRITON",
+        cudagraph_capture_sizes=[4, 8],
+        cache_dir=cache_dir,
+        **LIMITS,
+    )
+    assert eng.report.capture["input_copies"] == "before each step"
+    calls = []
+    original = eng.runner.buffers.copy_to_device
+    monkeypatch.setattr(
+        eng.runner.buffers, "copy_to_device", lambda *a: (calls.append(a), original(*a))
+    )
+    seqs = _decode_seqs(6, 400)
+    for e in (ref, eng):
+        prefill_prefixes(e, seqs)
+    calls.clear()
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    out = eng.step(batch)
+    out_ref = ref.step(batch)
+    assert eng.stats.runtime_modes["FULL"] == 1 and calls == [(8, 8)]
+    assert rel_err(out, out_ref) < 2e-2
