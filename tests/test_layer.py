@@ -44,6 +44,9 @@ def test_context_nests_and_restores():
         with set_forward_context(None, layers={"b": 2}):
             assert "b" in get_forward_context().layers
         assert get_forward_context() is outer
+        with pytest.raises(KeyError), set_forward_context(None, layers={"c": 3}):
+            raise KeyError("an op failed")
+        assert get_forward_context() is outer  # restored when the block raised
     with pytest.raises(ga.GraphAttnError):
         get_forward_context()
 
