@@ -1602,7 +1602,7 @@ def write_plot(data: dict, path: Path) -> None:
     except ImportError:
         log("no matplotlib: --plot skipped (pip install matplotlib)")
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for row in data.get("latency", {}).get("rows", []):
         points = [(int(b), v) for b, v in (row.get("ms") or {}).items() if v is not None]
         if points:
@@ -1623,7 +1623,7 @@ def write_plot(data: dict, path: Path) -> None:
     title = f"decode step, context {meta['settings']['context']}: {meta['device']}"
     ax.set_title(title + (" (smoke: not results)" if meta.get("smoke") else ""), fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the lines
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
