@@ -76,7 +76,9 @@ class CompiledModel:
         self.compile_sizes = config.resolved_compile_sizes(self.device, graphed, self.dtype)
         self.compiled = self._compile()
         forward = self.compiled if self.compiled is not None else self.model
-        self.runner.copies_in_full_graphs = self.runner.can_copy_in_graphs
+        self.runner.copies_in_full_graphs = (
+            self.graphs.mode.has_full_cudagraphs() and self.runner.can_copy_in_graphs
+        )
         prologue = self.runner.full_graph_prologue if self.runner.copies_in_full_graphs else None
         self.runner.forward = self.graphs.wrap_model(forward, prologue)
         weights = dict(self.model.named_parameters())

@@ -285,10 +285,10 @@ class ModelRunner:
     @property
     def can_copy_in_graphs(self) -> bool:
         """Whether full graphs may take the step's host-to-device input copies: on CUDA, and
-        when no builder reads the device inputs in ``build`` (which runs before the replay).
+        when no builder uses the device inputs in ``build`` (which runs before the replay).
         """
         return self._copies_done is not None and not any(
-            g.builder is not None and g.builder.reads_device_inputs_in_build
+            g.builder is not None and g.builder.uses_device_inputs_in_build
             for g in self.attn_groups
         )
 
@@ -322,6 +322,8 @@ class ModelRunner:
             self.run(plan, capturing=True)
 
     def _synthetic_plan(self, mode: CUDAGraphMode, key: BatchDescriptor) -> StepPlan:
+        if self._copies_done is not None:  # the last key's copies have left the buffers
+            self._copies_done.synchronize()
         tokens = key.num_tokens
         reqs = key.num_reqs if key.num_reqs is not None else min(tokens, self.limits.max_num_seqs)
         q = np.ones(reqs, dtype=np.int32)

@@ -255,12 +255,14 @@ def test_full_steps_copy_their_inputs_inside_the_graph(model, cache_dir, monkeyp
     monkeypatch.setattr(
         eng.runner.buffers, "copy_to_device", lambda *a: (calls.append(a), original(*a))
     )
-    for shapes, mode, copies in (
-        ([(c, 1) for c in (9, 40, 77, 120)], "FULL", 0),
-        ([(0, 7), (30, 1)], "PIECEWISE", 1),
-        ([(c, 1) for c in (3, 60)], "FULL", 0),
+    for i, (shapes, mode, copies) in enumerate(
+        (
+            ([(c, 1) for c in (9, 40, 77, 120)], "FULL", 0),
+            ([(0, 7), (30, 1)], "PIECEWISE", 1),
+            ([(c, 1) for c in (3, 60)], "FULL", 0),
+        )
     ):
-        seqs = _seqs(shapes, len(calls) + 11)
+        seqs = _seqs(shapes, 11 + i)
         for e in (ref, eng):
             prefill_prefixes(e, seqs)
         calls.clear()
@@ -312,14 +314,38 @@ def test_full_steps_queued_behind_a_busy_gpu_read_their_own_inputs(model, cache_
         eng.runner._copies_done = event
 
 
-def test_a_builder_reading_device_inputs_gets_them_before_build(model, cache_dir, monkeypatch):
-    """A builder that declares reads_device_inputs_in_build keeps the copies out of the
-    graphs: every step copies before build, and FULL steps still match eager."""
+def test_a_builder_using_device_inputs_gets_them_before_build(model, cache_dir, monkeypatch):
+    """What ``build`` sees on the device in a FULL step: the previous step's lengths when the
+    graph copies the inputs (the documented contract), this step's when the builder
+    declares uses_device_inputs_in_build, whose engine copies before build."""
     from graphattn.attention.backends.triton_attn import TritonMetadataBuilder
 
-    monkeypatch.setattr(TritonMetadataBuilder, "reads_device_inputs_in_build", True)
-    ref, _ = _engines(model, cache_dir, "TRITON", M.NONE)
-    eng = ga.compile(
+    seen = []
+    build = TritonMetadataBuilder.build
+
+    def build_reading_seq_lens(self, common_prefix_len, cam):
+        seen.append(cam.seq_lens.clone())  # device work in build, ordered before the replay
+        return build(self, common_prefix_len, cam)
+
+    def full_step(eng, seqs):
+        for e in (ref, eng):
+            prefill_prefixes(e, seqs)
+        seen.clear()
+        batch = ga.Batch.from_requests([s.request() for s in seqs])
+        before = eng.stats.runtime_modes["FULL"]
+        out, out_ref = eng.step(batch), ref.step(batch)
+        assert eng.stats.runtime_modes["FULL"] == before + 1
+        assert rel_err(out, out_ref) < 2e-2
+        expected = torch.tensor([len(s.ids) for s in seqs], dtype=torch.int32)
+        return seen[0][: len(seqs)].cpu(), expected
+
+    ref, inside = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE)
+    monkeypatch.setattr(TritonMetadataBuilder, "build", build_reading_seq_lens)
+    got, expected = full_step(inside, _decode_seqs(6, 400))
+    assert not torch.equal(got, expected)  # the prefill's lengths: the copy runs in the graph
+
+    monkeypatch.setattr(TritonMetadataBuilder, "uses_device_inputs_in_build", True)
+    opted_out = ga.compile(
         copy.deepcopy(model),
         cudagraph_mode=M.FULL_DECODE_ONLY,
         attention_backend="TRITON",
@@ -327,18 +353,12 @@ def test_a_builder_reading_device_inputs_gets_them_before_build(model, cache_dir
         cache_dir=cache_dir,
         **LIMITS,
     )
-    assert eng.report.capture["input_copies"] == "before each step"
+    assert opted_out.report.capture["input_copies"] == "before each step"
     calls = []
-    original = eng.runner.buffers.copy_to_device
+    original = opted_out.runner.buffers.copy_to_device
     monkeypatch.setattr(
-        eng.runner.buffers, "copy_to_device", lambda *a: (calls.append(a), original(*a))
+        opted_out.runner.buffers, "copy_to_device", lambda *a: (calls.append(a), original(*a))
     )
-    seqs = _decode_seqs(6, 400)
-    for e in (ref, eng):
-        prefill_prefixes(e, seqs)
-    calls.clear()
-    batch = ga.Batch.from_requests([s.request() for s in seqs])
-    out = eng.step(batch)
-    out_ref = ref.step(batch)
-    assert eng.stats.runtime_modes["FULL"] == 1 and calls == [(8, 8)]
-    assert rel_err(out, out_ref) < 2e-2
+    got, expected = full_step(opted_out, _decode_seqs(6, 401))
+    assert torch.equal(got, expected)
+    assert calls[-1] == (8, 8)  # the FULL step's own copy, at the key's padded size

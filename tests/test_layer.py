@@ -47,6 +47,11 @@ def test_context_nests_and_restores():
         with pytest.raises(KeyError), set_forward_context(None, layers={"c": 3}):
             raise KeyError("an op failed")
         assert get_forward_context() is outer  # restored when the block raised
+    once = set_forward_context(None, layers={})
+    with once, pytest.raises(ga.GraphAttnError, match="already entered"), once:
+        pass
+    with pytest.raises(ga.GraphAttnError):  # the refused entry left nothing behind
+        get_forward_context()
     with pytest.raises(ga.GraphAttnError):
         get_forward_context()
 

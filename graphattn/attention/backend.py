@@ -114,11 +114,12 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     # Requests with at most this many query tokens count as decodes and are put first.
     reorder_batch_threshold: ClassVar[int | None] = None
-    # True when ``build`` launches device work that reads the step's device inputs (the
-    # tensors of ``CommonAttentionMetadata``). Under a FULL replay those inputs reach the
-    # device inside the graph, after ``build``; such a builder makes the runner copy them
-    # before ``build`` on every step instead.
-    reads_device_inputs_in_build: ClassVar[bool] = False
+    # True when ``build`` launches device work that reads or writes the step's device
+    # inputs (the tensors of ``CommonAttentionMetadata``). Under a FULL replay those inputs
+    # reach the device inside the graph, after ``build`` (reads would see the previous
+    # step's values, writes would be copied over); such a builder makes the runner copy
+    # them before ``build`` on every step instead.
+    uses_device_inputs_in_build: ClassVar[bool] = False
 
     def __init__(
         self,
