@@ -249,3 +249,49 @@ def test_metadata_follows_the_graph_not_the_capture_batch(padded_engine):
     batch = ga.Batch.from_requests([ga.Request([1], 3, [0]), ga.Request([2], 5, [1])])
     cam = runner.common_metadata(runner.prepare_inputs(batch))[0]
     assert cam.uniform_decode and cam.fuse_kv_update
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: records what happened while capturing."""
+
+    log: list[str] = []
+
+    def capture_begin(self, pool=None):
+        self.log.append("capture_begin")
+
+    def capture_end(self):
+        self.log.append("capture_end")
+
+    def replay(self):
+        self.log.append("replay")
+
+
+def test_wrapper_prologue_is_captured_never_called_outside_a_capture(monkeypatch):
+    """The prologue (the runner's input copies) runs between capture_begin and the model,
+    once per key; a replay and a call-through (another runtime mode) never run it."""
+    from graphattn.attention import set_forward_context
+    from graphattn.capture.wrapper import CaptureState, CUDAGraphWrapper
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    log = _FakeGraph.log = []
+    state = object.__new__(CaptureState)  # no CUDA pool or stream: nothing here needs them
+    state.pool, state.debug, state.open, state.num_graphs = None, False, True, 0
+
+    def model(x):
+        log.append("model")
+        return x + 1
+
+    wrapper = CUDAGraphWrapper(
+        model, M.FULL, state, prologue=lambda key: log.append(f"prologue {key.num_tokens}")
+    )
+    key = BatchDescriptor(8, 8, True)
+    x = torch.zeros(8)
+    with set_forward_context(None, key, M.FULL, layers={}):
+        wrapper(x)
+    assert log == ["capture_begin", "prologue 8", "model", "capture_end"]
+    state.open = False
+    for mode, expected in ((M.FULL, ["replay"]), (M.PIECEWISE, ["model"]), (M.NONE, ["model"])):
+        log.clear()
+        with set_forward_context(None, key, mode, layers={}):
+            wrapper(x)
+        assert log == expected, mode
