@@ -1,7 +1,8 @@
 """Persistent input buffers: allocated once at the largest step, read by graphs by address.
 
 Every per-step input lives in one of three flat buffers, each with a pinned host copy, so a
-step reaches the device with three asynchronous copies whatever the batch. The model's two
+step reaches the device with three asynchronous copies whatever the batch (a FULL step's
+graph issues them itself: ``ModelRunner.full_graph_prologue``). The model's two
 inputs (``input_ids``, ``positions``) each start a buffer: the traced graph sees tensors
 with storage offset 0, so the offset never becomes a symbolic size.
 """
