@@ -245,16 +245,22 @@ def _decode_seqs(n, seed):
     return _seqs([(int(c), 1) for c in np.random.default_rng(seed).integers(5, 150, n)], seed)
 
 
+def _record_copies(engine, monkeypatch):
+    """The (tokens, requests) of every copy_to_device call the engine's runner makes."""
+    calls = []
+    original = engine.runner.buffers.copy_to_device
+    monkeypatch.setattr(
+        engine.runner.buffers, "copy_to_device", lambda *a: (calls.append(a), original(*a))
+    )
+    return calls
+
+
 def test_full_steps_copy_their_inputs_inside_the_graph(model, cache_dir, monkeypatch):
     """A FULL replay moves the pinned inputs itself: the step makes no copy call, a PIECEWISE
     step makes its one, and both compute what the eager engine does."""
     ref, eng = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE)
     assert eng.report.capture["input_copies"] == "inside full graphs"
-    calls = []
-    original = eng.runner.buffers.copy_to_device
-    monkeypatch.setattr(
-        eng.runner.buffers, "copy_to_device", lambda *a: (calls.append(a), original(*a))
-    )
+    calls = _record_copies(eng, monkeypatch)
     for i, (shapes, mode, copies) in enumerate(
         (
             ([(c, 1) for c in (9, 40, 77, 120)], "FULL", 0),
@@ -354,11 +360,7 @@ def test_a_builder_using_device_inputs_gets_them_before_build(model, cache_dir, 
         **LIMITS,
     )
     assert opted_out.report.capture["input_copies"] == "before each step"
-    calls = []
-    original = opted_out.runner.buffers.copy_to_device
-    monkeypatch.setattr(
-        opted_out.runner.buffers, "copy_to_device", lambda *a: (calls.append(a), original(*a))
-    )
+    calls = _record_copies(opted_out, monkeypatch)
     got, expected = full_step(opted_out, _decode_seqs(6, 401))
     assert torch.equal(got, expected)
     assert calls[-1] == (8, 8)  # the FULL step's own copy, at the key's padded size
