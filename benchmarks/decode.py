@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import gc
+import io
 import json
 import os
 import platform
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -112,6 +115,7 @@ class Settings:
     startup_timeout_s: float
     time_limit_s: float
     max_seqs: int | None = None  # max_num_seqs; None: the most requests a part puts in a step
+    profile_startup: str | None = None  # folder for the start-up processes' cProfile output
 
     @property
     def part_engines(self) -> dict[str, tuple[str, ...]]:
@@ -1049,7 +1053,10 @@ def run_startup(s: Settings, res: Results, root: Path) -> None:
     try:
         for name in ("cold", "warm"):
             log(f"start-up: {name} process")
-            out[name] = run_child(job, env, s.startup_timeout_s)
+            profile = (
+                {"profile": f"{s.profile_startup}/startup-{name}"} if s.profile_startup else {}
+            )
+            out[name] = run_child(job | profile, env, s.startup_timeout_s)
         out["status"] = out["warm"].get("status", "ok")
     except Exception as e:
         out["status"] = res.error("startup", e)
@@ -1088,14 +1095,22 @@ def startup_child(job_json: str) -> int:
     spec = ENGINE_SPECS[job["spec"]]
     model = build_model(s)
     synchronize(s.device)
+    profiler = cProfile.Profile() if job.get("profile") else None
     start = time.perf_counter()
     try:
+        if profiler is not None:
+            profiler.enable()
         engine = ga.compile(model, **s.engine_kwargs(spec), cache_dir=job["cache_dir"])
     except Exception as e:
         print("STARTUP_JSON " + json.dumps({"status": unavailable(e)}), flush=True)
         return 0
+    finally:
+        if profiler is not None:
+            profiler.disable()
     synchronize(s.device)
     seconds = time.perf_counter() - start
+    if profiler is not None:
+        write_profile(profiler, Path(job["profile"]))
     report = engine.report
     out = {
         "status": "ok",
@@ -1113,6 +1128,17 @@ def startup_child(job_json: str) -> int:
     }
     print("STARTUP_JSON " + json.dumps(out, default=str), flush=True)
     return 0
+
+
+def write_profile(profiler: cProfile.Profile, path: Path) -> None:
+    """``path``.prof (pstats) and ``path``.txt (the top functions by cumulative and own time)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(f"{path}.prof")
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    Path(f"{path}.txt").write_text(text.getvalue())
 
 
 def limit_cpu_threads(s: Settings) -> None:
@@ -1661,6 +1687,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds per process")
     p.add_argument(
+        "--profile-startup",
+        metavar="DIR",
+        help="run each start-up process's ga.compile under cProfile; write the stats here",
+    )
+    p.add_argument(
         "--time-limit",
         type=float,
         default=400.0,
@@ -1707,6 +1738,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         startup_timeout_s=a.startup_timeout,
         time_limit_s=a.time_limit,
         max_seqs=a.max_num_seqs,
+        profile_startup=a.profile_startup,
     )
 
 
