@@ -1131,9 +1131,8 @@ def startup_child(job_json: str) -> int:
 
 
 def write_profile(profiler: cProfile.Profile, path: Path) -> None:
-    """``path``.prof (pstats) and ``path``.txt (the top functions by cumulative and own time)."""
+    """``path``.txt: the top functions by cumulative and by own time."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    profiler.dump_stats(f"{path}.prof")
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(80)
