@@ -53,8 +53,10 @@ PARTS = ("floor", "latency", "trace", "mixed", "host", "startup")
 BASELINES = ("eager", "compile", "reduce-overhead")
 BLOCK_SIZE = 16
 STEP_DEFINITION = (
-    "graphattn: engine.step(Batch.from_arrays(...)) on B one-token decode requests + "
-    "engine.compute_logits + graphattn.greedy (argmax); baseline: forward(tokens [B], "
+    "graphattn: engine.step(Batch.from_arrays(...), clone=False) on B one-token decode "
+    "requests + engine.compute_logits + graphattn.greedy (argmax) (clone=False: the step's "
+    "rows are read where the graph left them, as the baseline's compiled graph leaves its "
+    "output); baseline: forward(tokens [B], "
     "positions [B]) (lm_head included) + argmax, the argmax inside the compiled function "
     "for torch.compile and reduce-overhead (so it is captured with the graph). Every step decodes one fresh random token per request at position "
     "CONTEXT over CONTEXT cached tokens written by a real prefill of random tokens (the step "
@@ -612,7 +614,7 @@ def graphattn_decode(engine, pool: RequestPool, rows, tokens: np.ndarray) -> Cal
     """``step(i)``: one decode step of ``rows`` with tokens[i] (step, logits, argmax)."""
 
     def step(i: int):
-        hidden = engine.step(pool.decode_batch(rows, tokens[i]))
+        hidden = engine.step(pool.decode_batch(rows, tokens[i]), clone=False)
         return ga.greedy(engine.compute_logits(hidden))
 
     return step
@@ -652,7 +654,7 @@ def graphattn_trace(engine, pool, s: Settings, rng) -> dict:
     tokens = [random_tokens(rng, engine.model.vocab_size, b) for b in sizes]
 
     def step(i: int):
-        hidden = engine.step(pool.decode_batch(rows[i], tokens[i]))
+        hidden = engine.step(pool.decode_batch(rows[i], tokens[i]), clone=False)
         return ga.greedy(engine.compute_logits(hidden))
 
     with stats_delta(engine) as delta:
@@ -695,7 +697,7 @@ def graphattn_mixed(engine, pool, s: Settings, rng) -> dict:
     ]  # [R]: each request's last token
 
     def step(i: int):
-        hidden = engine.step(batches[i])
+        hidden = engine.step(batches[i], clone=False)
         return ga.greedy(engine.compute_logits(hidden.index_select(0, ends[i])))
 
     with stats_delta(engine) as delta:
@@ -743,7 +745,9 @@ def phase_timers(runner) -> Iterator[dict[str, list[float]]]:
                 setattr(runner, name, original)
 
 
-def host_step_times(engine, batches: list[ga.Batch], device: str) -> list[float]:
+def host_step_times(
+    engine, batches: list[ga.Batch], device: str, clone: bool = False
+) -> list[float]:
     """Host seconds of engine.step per batch, each started on an idle GPU (synchronized
     before), so no wait on earlier device work is counted; the step's GPU work runs after.
     """
@@ -751,7 +755,7 @@ def host_step_times(engine, batches: list[ga.Batch], device: str) -> list[float]
     for batch in batches:
         synchronize(device)
         t = time.perf_counter()
-        engine.step(batch)
+        engine.step(batch, clone=clone)
         out.append(time.perf_counter() - t)
     synchronize(device)
     return out
@@ -768,7 +772,10 @@ def graphattn_host(engine, pool, s: Settings, rng) -> dict:
         "perf_counter on the host, each step started after torch.cuda.synchronize() so the "
         "GPU is idle and nothing waits on earlier device work; the time is batch "
         "preparation, validation, metadata build and dispatch (launching the graph or "
-        "kernels) without the GPU work. Median of host_iters steps after 20 warm-up. "
+        "kernels) without the GPU work, with clone=False as the latency steps run it "
+        "(step_cloned_us: the same steps with the default clone=True, which copies a "
+        "graph's output rows into a new tensor). Median of host_iters steps after 20 "
+        "warm-up. "
         "Phases come from a second pass with timers wrapped around the runner's methods "
         "(other = step - phases). from_arrays/from_requests: the caller's batch building, "
         "timed apart.",
@@ -783,9 +790,15 @@ def host_at(engine, pool: RequestPool, n: int, s: Settings, rng) -> dict:
     with stats_delta(engine) as delta:
         host_step_times(engine, batches[:20], s.device)
         totals = host_step_times(engine, batches[20:], s.device)
+        cloned = host_step_times(engine, batches[20:], s.device, clone=True)
         with phase_timers(engine.runner) as phases:
             wrapped = host_step_times(engine, batches[20:], s.device)
-    out = {"step_us": us_summary(totals), "stats": delta, "phases_us": {}}
+    out = {
+        "step_us": us_summary(totals),
+        "step_cloned_us": us_summary(cloned),
+        "stats": delta,
+        "phases_us": {},
+    }
     for name, values in phases.items():
         if len(values) == len(wrapped):
             out["phases_us"][name] = statistics.median(values) * 1e6
@@ -1038,34 +1051,51 @@ def baseline_trace_entry(base, s: Settings, rng, deadline: Deadline, res: Result
 # -- start-up -------------------------------------------------------------------------------
 
 
+# The start-up processes: name -> whether Python may cache bytecode under the cache folder.
+STARTUP_PROCESSES = (("cold", True), ("warm", True), ("warm_no_pyc", False))
+
+
 def run_startup(s: Settings, res: Results, root: Path) -> None:
     """Cold and warm start of the startup engine, each in a fresh process (see ``method``).
 
-    ``root`` must be empty; the graphattn cache the processes leave in it stays there.
+    ``root`` must be empty; the caches the processes leave in it stay there.
     """
     spec = ENGINE_SPECS[s.part_engines["startup"][0]]
-    env = os.environ | {
+    base = os.environ | {
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         "TRITON_CACHE_DIR": str(root / "triton"),
     }
+    base.pop("PYTHONDONTWRITEBYTECODE", None)
     job = {"settings": settings_to_json(s), "spec": spec.key, "cache_dir": str(root / "graphattn")}
     out: dict[str, Any] = {"label": spec.label, "requested_mode": spec.mode}
     try:
-        for name in ("cold", "warm"):
+        for name, pyc in STARTUP_PROCESSES:
             log(f"start-up: {name} process")
             profile = (
                 {"profile": f"{s.profile_startup}/startup-{name}"} if s.profile_startup else {}
+            )
+            env = base | (
+                {"PYTHONPYCACHEPREFIX": str(root / "pycache")}
+                if pyc
+                else {
+                    "PYTHONPYCACHEPREFIX": str(root / "no-pycache"),
+                    "PYTHONDONTWRITEBYTECODE": "1",
+                }
             )
             out[name] = run_child(job | profile, env, s.startup_timeout_s)
         out["status"] = out["warm"].get("status", "ok")
     except Exception as e:
         out["status"] = res.error("startup", e)
     out["method"] = (
-        "two fresh processes build the same engine (model init not counted) with one new, "
-        "empty cache folder: graphattn's cache_dir, TORCHINDUCTOR_CACHE_DIR and "
-        "TRITON_CACHE_DIR all under it. cold = the first process, warm = the second. "
-        "compile/capture seconds and graph MiB are the engine's report; ga_compile_s is the "
-        "wall time of ga.compile; process_s the child's whole life (imports, CUDA init)."
+        "fresh processes build the same engine (model init not counted) with one new, empty "
+        "cache folder: graphattn's cache_dir, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and "
+        "Python's bytecode cache (PYTHONPYCACHEPREFIX) all under it. cold = the first process, "
+        "warm = the second. warm_no_pyc = a third with Python's bytecode cache off "
+        "(PYTHONDONTWRITEBYTECODE=1, an empty prefix): every module imported is compiled from "
+        "source, as in any process on a machine that sets PYTHONDONTWRITEBYTECODE and ships no "
+        ".pyc files (the GPU machine does). compile/capture seconds and graph MiB are the "
+        "engine's report; ga_compile_s is the wall time of ga.compile; process_s the child's "
+        "whole life (imports, CUDA init)."
     )
     res.put("startup", "graphattn", out)
     res.save()
@@ -1501,7 +1531,9 @@ def table_startup(data: dict) -> list[str]:
     if e.get("status", "ok") != "ok" and "cold" not in e:
         return lines + [f"  {e['status']}"]
     rows = []
-    for name in ("cold", "warm"):
+    for name, _ in STARTUP_PROCESSES:
+        if name not in e:
+            continue
         r = e.get(name) or {}
         if r.get("status", "ok") != "ok":
             rows.append([name, r.get("status", "")[:80], "", "", "", "", "", "", ""])
@@ -1553,13 +1585,15 @@ def table_host(data: dict) -> list[str]:
             [
                 n,
                 _f(r["step_us"]["median"], ".1f"),
+                _f((r.get("step_cloned_us") or {}).get("median"), ".1f"),
                 *[_f(p.get(k), ".1f") for k in (*HOST_PHASES, "other")],
                 _f(r.get("from_arrays_us"), ".1f"),
                 _f(r.get("from_requests_us"), ".1f"),
                 ",".join(modes),
             ]
         )
-    header = ["requests", "step", "prepare", "common md", "build md", "forward", "restore"]
+    header = ["requests", "step", "step, clone", "prepare", "common md", "build md"]
+    header += ["forward", "restore"]
     header += ["other", "from_arrays", "from_requests", "runtime mode"]
     return lines + _rows_table(header, rows)
 

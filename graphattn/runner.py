@@ -105,8 +105,10 @@ class ModelRunner:
 
     # -- the step ---------------------------------------------------------------------
 
-    def execute(self, batch: Batch) -> torch.Tensor:
-        """Run ``batch``; returns ``[num_tokens, ...]`` rows in the caller's token order."""
+    def execute(self, batch: Batch, *, clone: bool = True) -> torch.Tensor:
+        """Run ``batch``; returns ``[num_tokens, ...]`` rows in the caller's token order
+        (``clone=False``: possibly in memory the next step overwrites, see ``restore_order``).
+        """
         check_batch(batch, self.limits)
         if self._copies_done is not None:
             self._copies_done.synchronize()
@@ -117,7 +119,7 @@ class ModelRunner:
         self.stats.runtime_modes[plan.runtime_mode.name] += 1
         if plan.fallback:
             self.stats.fallbacks[plan.fallback] += 1
-        return self.restore_order(hidden, plan)
+        return self.restore_order(hidden, plan, clone=clone)
 
     def run(self, plan: StepPlan, *, capturing: bool = False) -> torch.Tensor:
         """Metadata for the prepared buffers, then the model under the forward context."""
@@ -271,14 +273,19 @@ class ModelRunner:
             per_layer.update(dict.fromkeys(group.layer_names, metadata))
         return per_layer
 
-    def restore_order(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """The real tokens' rows in the caller's order, in a tensor no later step overwrites."""
+    def restore_order(
+        self, hidden: torch.Tensor, plan: StepPlan, *, clone: bool = True
+    ) -> torch.Tensor:
+        """The real tokens' rows in the caller's order, in a tensor no later step overwrites;
+        with ``clone=False`` a graph's output comes back in place (the next replay of that
+        graph overwrites it).
+        """
         n = plan.num_tokens
         out = hidden if hidden.shape[0] == n else hidden[:n]  # slicing costs a microsecond
         if plan.reordered:
             index = self.buffers.output_index.gpu[:n]
             return out.index_select(0, index)
-        return out.clone() if plan.runtime_mode != CUDAGraphMode.NONE else out
+        return out.clone() if clone and plan.runtime_mode != CUDAGraphMode.NONE else out
 
     # -- capture ----------------------------------------------------------------------
 

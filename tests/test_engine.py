@@ -177,3 +177,30 @@ def test_two_engines_can_serve_one_model():
     assert rel_err(out, expected) < 1e-5
     assert a.kv_cache.tensors["layers.0.attn"].shape[2] == 16
     assert b.kv_cache.tensors["layers.0.attn"].shape[2] == 32
+
+
+def test_restore_order_clones_graph_outputs_unless_told_not_to():
+    """A graph's output (any mode but NONE) comes back in a new tensor by default and in place
+    with clone=False; an eager output and a reordered one are the caller's either way."""
+    from graphattn.runner import StepPlan
+
+    eng = eager_engine(TableAttentionModel(64, 4, 2, 64, seed=2), cudagraph_mode="NONE")
+    hidden = torch.randn(8, 4)
+    for mode in (ga.CUDAGraphMode.FULL, ga.CUDAGraphMode.PIECEWISE):
+        plan = StepPlan(5, 5, 1, 9, True, False, 8, 8, mode)
+        cloned = eng.runner.restore_order(hidden, plan)
+        assert cloned.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr()
+        in_place = eng.runner.restore_order(hidden, plan, clone=False)
+        assert in_place.data_ptr() == hidden.data_ptr() and in_place.shape == (5, 4)
+        assert torch.equal(cloned, in_place)
+    eager = StepPlan(5, 5, 1, 9, True, False, 5, 5, ga.CUDAGraphMode.NONE)
+    assert eng.runner.restore_order(hidden[:5], eager).data_ptr() == hidden.data_ptr()
+
+
+def test_step_clone_false_matches_the_default_on_the_cpu():
+    model = TableAttentionModel(64, 4, 2, 64, seed=4)
+    eng = eager_engine(model, cudagraph_mode="NONE", num_blocks=32, block_size=16)
+    seqs = make_seqs(np.random.default_rng(5), [(0, 6), (0, 3)], 64, 16, 8)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    first = eng.step(batch, clone=False)
+    assert torch.equal(first, eng.step(batch))  # the same writes again: the same rows

@@ -1,6 +1,7 @@
 """What graphattn guarantees about the classic CUDA-graph pitfalls (each needs CUDA).
 
-- A step's output is never overwritten by a later replay.
+- A step's output is never overwritten by a later replay (unless the caller asks for it in
+  place with ``clone=False``).
 - Host scalars are not frozen at capture: a graph replayed for a batch with other lengths
   and other token counts (padded to the same size) computes that batch.
 - Host synchronization inside a captured region is a CaptureError at start-up that says
@@ -65,6 +66,28 @@ def test_output_survives_the_next_replay(full_engine):
     eng.step(_decode_batch(b))  # same padded size: the same graph replays
     assert eng.stats.runtime_modes["FULL"] >= 2
     assert torch.equal(out_a, kept)
+
+
+def test_clone_false_returns_the_graph_output_in_place(full_engine):
+    """The opt-out: the rows come back in the graph's memory, which the next replay of the
+    same graph overwrites, and they match what the default returns."""
+    import numpy as np
+
+    eng, _ = full_engine
+    a = make_seqs(np.random.default_rng(6), [(24, 1)] * 3, 64, 16, 64)
+    _prefill(eng, a)
+    in_place = eng.step(_decode_batch(a), clone=False)
+    kept = in_place.clone()
+    b = make_seqs(np.random.default_rng(7), [(40, 1)] * 3, 64, 16, 64)
+    _prefill(eng, b)
+    full_before = eng.stats.runtime_modes["FULL"]
+    out_b = eng.step(_decode_batch(b))  # same padded size: the same graph replays
+    assert eng.stats.runtime_modes["FULL"] == full_before + 1
+    assert torch.equal(in_place, out_b)  # overwritten by b's rows
+    assert not torch.equal(kept, out_b)
+    again = eng.step(_decode_batch(b), clone=False)
+    assert again.data_ptr() == in_place.data_ptr()
+    assert torch.equal(again, out_b)
 
 
 def test_host_scalars_are_not_frozen_at_capture(full_engine):
