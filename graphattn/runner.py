@@ -109,10 +109,10 @@ class ModelRunner:
         """Run ``batch``; returns ``[num_tokens, ...]`` rows in the caller's token order
         (``clone=False``: possibly in memory the next step overwrites, see ``restore_order``).
         """
-        check_batch(batch, self.limits)
+        longest = check_batch(batch, self.limits)
         if self._copies_done is not None:
             self._copies_done.synchronize()
-        plan = self.prepare_inputs(batch)
+        plan = self.prepare_inputs(batch, longest)
         hidden = self.run(plan)
         self.stats.steps += 1
         self.stats.tokens += plan.num_tokens
@@ -135,18 +135,23 @@ class ModelRunner:
         ):
             return self.forward(shared["input_ids"], shared["positions"])
 
-    def prepare_inputs(self, batch: Batch) -> StepPlan:
-        """Reorder decodes first, fill the host buffers, pad, and copy to the device."""
+    def prepare_inputs(self, batch: Batch, max_seq_len: int | None = None) -> StepPlan:
+        """Reorder decodes first, fill the host buffers, pad, and copy to the device.
+
+        ``max_seq_len``: the longest sequence after the step, as ``check_batch`` returns it.
+        """
+        if max_seq_len is None:
+            max_seq_len = int(batch.seq_lens.max())
         if batch.num_tokens == batch.num_reqs:  # every request decodes one token
-            plan = self._fill_decode(batch)
+            plan = self._fill_decode(batch, max_seq_len)
         else:
-            plan = self._fill_mixed(batch)
+            plan = self._fill_mixed(batch, max_seq_len)
         self._pad(plan)
         if not (self.copies_in_full_graphs and plan.runtime_mode == CUDAGraphMode.FULL):
             self._copy_to_device(plan)
         return plan
 
-    def _fill_decode(self, batch: Batch) -> StepPlan:
+    def _fill_decode(self, batch: Batch, max_seq_len: int) -> StepPlan:
         """``prepare_inputs`` for a batch of one-token requests: already in order, each
         token's position is its request's computed length.
         """
@@ -164,12 +169,11 @@ class ModelRunner:
             batch.block_table[self._arange[:r], block_index], block_size, out=slots, dtype=np.int64
         )
         np.add(slots, offset, out=slots)
-        max_seq_len = int(seq_lens.max())
         self._fill_block_tables(batch.block_table, r, -(-max_seq_len // block_size))
         b.is_prefilling_np[:r] = False
         return StepPlan(r, r, 1, max_seq_len, True, False)
 
-    def _fill_mixed(self, batch: Batch) -> StepPlan:
+    def _fill_mixed(self, batch: Batch, max_seq_len: int) -> StepPlan:
         order = self._decode_first_order(batch.query_lens)
         q = batch.query_lens if order is None else batch.query_lens[order]
         computed = batch.num_computed_tokens if order is None else batch.num_computed_tokens[order]
@@ -195,7 +199,6 @@ class ModelRunner:
         block_size = self.limits.block_size
         blocks = table[req_of_token, positions // block_size].astype(np.int64)
         b.slot_mapping.np[:t] = blocks * block_size + positions % block_size
-        max_seq_len = int(seq_lens.max())
         self._fill_block_tables(table, r, -(-max_seq_len // block_size))
         np.greater(q, 1, out=b.is_prefilling_np[:r])
         max_query_len = int(q.max())

@@ -22,8 +22,10 @@ class BatchLimits:
     vocab_size: int | None = None
 
 
-def check_batch(batch: Batch, limits: BatchLimits) -> None:
-    """Raise ``InvalidBatchError`` naming the first bad request and value; return if all is well.
+def check_batch(batch: Batch, limits: BatchLimits) -> int:
+    """Raise ``InvalidBatchError`` naming the first bad request and value; if all is well,
+    return the longest sequence the step leaves (computed + new tokens), which the runner
+    needs and the checks find on the way.
 
     Vectorized over requests: its cost must stay small next to a decode step.
     """
@@ -40,28 +42,29 @@ def check_batch(batch: Batch, limits: BatchLimits) -> None:
         )
     _check_shapes(batch)
     if t == r and _is_decode_layout(batch):
-        _check_decode(batch, limits)
-    else:
-        _check_general(batch, limits)
+        return _check_decode(batch, limits)
+    return _check_general(batch, limits)
 
 
-def _check_general(batch: Batch, limits: BatchLimits) -> None:
+def _check_general(batch: Batch, limits: BatchLimits) -> int:
     q, computed = batch.query_lens, batch.num_computed_tokens
     seq_lens = computed.astype(np.int64) + q
     needed = -(-seq_lens // limits.block_size)
+    longest = int(seq_lens.max())
     # one reduction per rule on the path every good batch takes; the rules again, one
     # by one and naming the request, only when one of them fails
     if (
         q.min() < 1
         or computed.min() < 0
-        or seq_lens.max() > limits.max_model_len
+        or longest > limits.max_model_len
         or (needed > batch.num_block_ids).any()
     ):
         _explain_request_error(batch, seq_lens, needed, limits)
-    _check_block_ids(batch, int(needed.max()), limits.num_blocks)
+    _check_block_ids(batch, -(-longest // limits.block_size), limits.num_blocks)
     tokens = batch.token_ids
     if limits.vocab_size is not None and tokens.size and not _in_range(tokens, limits.vocab_size):
         _explain_token_error(batch, limits.vocab_size)
+    return longest
 
 
 def _is_decode_layout(batch: Batch) -> bool:
@@ -75,7 +78,7 @@ def _is_decode_layout(batch: Batch) -> bool:
     )
 
 
-def _check_decode(batch: Batch, limits: BatchLimits) -> None:
+def _check_decode(batch: Batch, limits: BatchLimits) -> int:
     """``_check_general`` for a batch of one-token requests, in fewer numpy calls: a range
     check ``0 <= x < n`` is one maximum of ``x`` read as unsigned (negatives become huge).
     On any failure the general checks run and name the request.
@@ -87,11 +90,11 @@ def _check_decode(batch: Batch, limits: BatchLimits) -> None:
         or last >= limits.max_model_len
         or (computed // limits.block_size >= batch.num_block_ids).any()
     ):
-        _check_general(batch, limits)
-        return
+        return _check_general(batch, limits)
     _check_block_ids(batch, last // limits.block_size + 1, limits.num_blocks)
     if limits.vocab_size is not None and _umax(batch.token_ids) >= limits.vocab_size:
         _explain_token_error(batch, limits.vocab_size)
+    return last + 1
 
 
 def _umax(values: np.ndarray) -> np.unsignedinteger:

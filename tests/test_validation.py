@@ -1,4 +1,5 @@
-"""check_batch's decode fast path agrees with the general checks on every batch."""
+"""check_batch's decode fast path agrees with the general checks on every batch, and both
+return the longest sequence of a good batch."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ LIMITS = BatchLimits(
 
 def _outcome(check, batch: ga.Batch) -> str:
     try:
-        check(batch, LIMITS)
+        longest = check(batch, LIMITS)
     except ga.InvalidBatchError as e:
         return str(e)
+    assert longest == int(batch.seq_lens.max())  # what the runner sizes the step by
     return "ok"
 
 
