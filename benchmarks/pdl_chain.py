@@ -18,7 +18,9 @@ far beyond L2). Variants, each a CUDA graph of the 64 launches replayed after wa
 - ``library``: ``graphattn.kernels.gemv`` with its one-row configs (what the step runs);
 - ``chain``: this file's kernel, the same tiling, launched normally;
 - ``chain_pdl``: the same kernel launched with ``launch_pdl=True``: each program loads its
-  first weight tile, signals ``griddepcontrol.launch_dependents`` and waits.
+  first weight tile, signals ``griddepcontrol.launch_dependents`` and waits;
+- ``chain_pdl_late``: the same, signalling only after its loop (the next kernel's programs
+  start while this one's last programs store).
 Each variant's last output is compared with the others (a race would show there) and with
 an fp32 reference. The kernel here is a measurement, not part of graphattn.
 """
@@ -45,6 +47,7 @@ if str(ROOT) not in sys.path:
 from graphattn.kernels.gemv import choose_gemv_config, gemv  # noqa: E402
 
 LAYER = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
+PDL_VARIANTS = {"chain_pdl": 1, "chain_pdl_late": 2}  # variant: the kernel's PDL value
 SMOKE_LAYER = (("qkv", 48, 32), ("o", 32, 32), ("gate_up", 96, 32), ("down", 32, 64))
 
 
@@ -58,14 +61,15 @@ def _chain_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr,  # 0: a normal launch; 1: signal dependents early; 2: after the loop
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * K + cols[None, :]
     w = tl.load(w_ptrs)  # weights: no earlier kernel writes them
-    if PDL:
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+    if PDL != 0:
         tl.extra.cuda.gdc_wait()  # the previous kernel's output is complete after this
     x = tl.load(x_ptr + cols)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -73,10 +77,12 @@ def _chain_gemv_kernel(
         w = tl.load(w_ptrs + k)
         x = tl.load(x_ptr + k + cols)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
-def chain_gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, pdl: bool) -> None:
+def chain_gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, pdl: int) -> None:
     """y[N] = w[N, K] @ x[:K] with the library's one-row tiling."""
     n, k = w.shape
     cfg = choose_gemv_config(1, n, k, 1)
@@ -125,7 +131,7 @@ class Chain:
             if variant == "library":
                 gemv(x[None, :], w, y[None, :])
             else:
-                chain_gemv(x, w, y, pdl=variant == "chain_pdl")
+                chain_gemv(x, w, y, pdl=PDL_VARIANTS.get(variant, 0))
         return self.outs[-1]
 
     def reference(self) -> torch.Tensor:
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {},
     }
     pdl_ok = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    variants = ["library", "chain"] + (["chain_pdl"] if pdl_ok else [])
+    variants = ["library", "chain"] + (list(PDL_VARIANTS) if pdl_ok else [])
     outputs = {}
     for variant in variants:
         try:
@@ -208,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
     # PDL's output differing from the normal launch's would be a race: a failed run
-    return 1 if result["variants"].get("chain_pdl", {}).get("equal_to_chain") is False else 0
+    races = [
+        v for v in PDL_VARIANTS if result["variants"].get(v, {}).get("equal_to_chain") is False
+    ]
+    return 1 if races else 0
 
 
 def print_table(result: dict) -> None:

@@ -35,7 +35,8 @@ def test_smoke_chain_matches_the_fp32_chain(tmp_path):
 def test_pdl_launch_in_a_graph_equals_the_normal_launch():
     chain = pdl_chain.Chain(4, pdl_chain.LAYER, "cuda", seed=1)
     normal = pdl_chain.time_graph(chain, "chain", 3, "cuda")["output"]
-    pdl = pdl_chain.time_graph(chain, "chain_pdl", 3, "cuda")["output"]
-    assert torch.equal(normal, pdl)
+    for variant in pdl_chain.PDL_VARIANTS:
+        pdl = pdl_chain.time_graph(chain, variant, 3, "cuda")["output"]
+        assert torch.equal(normal, pdl), variant
     expected = chain.reference()
     assert (normal - expected).abs().max() < 0.05 * expected.abs().max()
