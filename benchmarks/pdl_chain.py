@@ -227,13 +227,13 @@ def print_table(result: dict) -> None:
         f"weights; {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}"
     )
     print(
-        f"  {'variant':10s} {'us/chain':>9s} {'us/launch':>10s} {'TB/s':>6s} {'= chain':>8s} "
+        f"  {'variant':14s} {'us/chain':>9s} {'us/launch':>10s} {'TB/s':>6s} {'= chain':>8s} "
         f"{'err vs fp32':>12s}  status"
     )
     for name, e in result["variants"].items():
         secs = e.get("seconds")
         print(
-            f"  {name:10s} {secs * 1e6 if secs else float('nan'):9.1f} "
+            f"  {name:14s} {secs * 1e6 if secs else float('nan'):9.1f} "
             f"{e.get('us_per_launch', float('nan')):10.2f} {e.get('TB_per_s', float('nan')):6.2f} "
             f"{e.get('equal_to_chain', '-')!s:>8s} {e.get('max_abs_err_vs_fp32', float('nan')):12.4g}"
             f"  {e['status']}"
