@@ -21,8 +21,9 @@ far beyond L2). Variants, each a CUDA graph of the 64 launches replayed after wa
   first weight tile, signals ``griddepcontrol.launch_dependents`` and waits;
 - ``chain_pdl_late``: the same, signalling only after its loop (the next kernel's programs
   start while this one's last programs store).
-Each variant's last output is compared with the others (a race would show there) and with
-an fp32 reference. The kernel here is a measurement, not part of graphattn.
+Each variant's output of one more replay, started with every output buffer set to NaN
+(so a kernel that read its input early would carry NaN through), is compared with the
+normal launch's and with an fp32 reference. The kernel here is a measurement, not part of graphattn.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from graphattn.kernels.gemv import choose_gemv_config, gemv  # noqa: E402
 
 LAYER = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
 PDL_VARIANTS = {"chain_pdl": 1, "chain_pdl_late": 2}  # variant: the kernel's PDL value
+RACY = {"chain_pdl_nowait": 3}  # the tests' control: PDL without the wait
 SMOKE_LAYER = (("qkv", 48, 32), ("o", 32, 32), ("gate_up", 96, 32), ("down", 32, 64))
 
 
@@ -61,15 +63,17 @@ def _chain_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
-    PDL: tl.constexpr,  # 0: a normal launch; 1: signal dependents early; 2: after the loop
+    # 0: a normal launch; 1: signal dependents early; 2: after the loop; 3: signal early and
+    # never wait (a deliberate race, which the GPU test must see)
+    PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * K + cols[None, :]
     w = tl.load(w_ptrs)  # weights: no earlier kernel writes them
-    if PDL == 1:
+    if PDL == 1 or PDL == 3:
         tl.extra.cuda.gdc_launch_dependents()
-    if PDL != 0:
+    if PDL == 1 or PDL == 2:
         tl.extra.cuda.gdc_wait()  # the previous kernel's output is complete after this
     x = tl.load(x_ptr + cols)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -131,7 +135,7 @@ class Chain:
             if variant == "library":
                 gemv(x[None, :], w, y[None, :])
             else:
-                chain_gemv(x, w, y, pdl=PDL_VARIANTS.get(variant, 0))
+                chain_gemv(x, w, y, pdl=PDL_VARIANTS.get(variant, RACY.get(variant, 0)))
         return self.outs[-1]
 
     def reference(self) -> torch.Tensor:
@@ -158,6 +162,12 @@ def time_graph(chain: Chain, variant: str, reps: int, device: str) -> dict:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
+    # The checked replay starts from poisoned outputs: a kernel that read its input before
+    # the previous kernel wrote it would carry NaN to the end.
+    for y in chain.outs:
+        y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize(device)
     out = chain.outs[-1].float().clone()
     return {"seconds": statistics.median(times), "min_s": min(times), "output": out}
 

@@ -105,10 +105,11 @@ class CompiledModel:
         """One forward step; returns the model's output rows for the batch's tokens, in the
         order the requests were given. A rejected batch changes nothing.
 
-        A step that replays a graph leaves its output in the graph's own memory, which the
-        next replay overwrites; by default the rows come back in a new tensor. ``clone=False``
-        returns them in place, valid until the next step, as an engine that reads them at
-        once wants (a copy kernel and 10-50 us of host time less per step).
+        A step that replays a graph leaves its output in the graph's own memory, which a
+        later replay may overwrite; by default the rows come back in a new tensor.
+        ``clone=False`` returns them in place, valid until the next step, as an engine that
+        reads them at once wants (one copy kernel less, and 21-52 us less host time a step
+        on the H200 machine).
         """
         with _inference_mode():
             return self.runner.execute(batch, clone=clone)

@@ -280,15 +280,16 @@ class ModelRunner:
         self, hidden: torch.Tensor, plan: StepPlan, *, clone: bool = True
     ) -> torch.Tensor:
         """The real tokens' rows in the caller's order, in a tensor no later step overwrites;
-        with ``clone=False`` a graph's output comes back in place (the next replay of that
-        graph overwrites it).
+        with ``clone=False`` a graph's output comes back in place, valid until the next step
+        (any later replay may reuse that memory).
         """
         n = plan.num_tokens
-        out = hidden if hidden.shape[0] == n else hidden[:n]  # slicing costs a microsecond
+        if plan.runtime_mode == CUDAGraphMode.NONE and not plan.reordered:
+            return hidden if hidden.shape[0] == n else hidden[:n]  # the caller's already
+        out = hidden[:n]  # a new view even unpadded: the graph's own tensor stays the engine's
         if plan.reordered:
-            index = self.buffers.output_index.gpu[:n]
-            return out.index_select(0, index)
-        return out.clone() if clone and plan.runtime_mode != CUDAGraphMode.NONE else out
+            return out.index_select(0, self.buffers.output_index.gpu[:n])
+        return out.clone() if clone else out
 
     # -- capture ----------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ def smoke_run(tmp_path_factory):
     """One quick smoke run of every part: graphattn eager and the eager baseline only."""
     out = tmp_path_factory.mktemp("bench") / "decode.json"
     args = [*QUICK, "--modes", "eager", "--baselines", "eager", "--out", str(out)]
+    args += ["--profile-startup", str(out.parent / "prof")]
     assert decode.main([*args, "--plot", str(out.with_suffix(".png"))]) == 0
     return out, json.loads(out.read_text())
 
@@ -50,6 +51,9 @@ def test_every_part_writes_its_entry(smoke_run):
     )
     startup = data["startup"]["graphattn"]
     assert [startup[p]["status"] for p in ("cold", "warm", "warm_no_pyc")] == ["ok"] * 3
+    for process in ("cold", "warm", "warm_no_pyc"):  # --profile-startup: one cProfile text each
+        profile = (out.parent / "prof" / f"startup-{process}.txt").read_text()
+        assert "function calls" in profile and "engine.py" in profile
     assert data["floor"]["result"]["copy_bytes_per_s"] > 0
     assert data["meta"]["smoke"] and data["errors"] == []
     assert out.with_suffix(".png").stat().st_size > 0

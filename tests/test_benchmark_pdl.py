@@ -23,7 +23,6 @@ def test_smoke_chain_matches_the_fp32_chain(tmp_path):
     variants = json.loads(out.read_text())["variants"]
     for name in ("library", "chain"):
         assert variants[name]["status"].startswith("ok")
-        assert variants[name]["equal_to_chain"] is True
         assert variants[name]["max_abs_err_vs_fp32"] < 0.05  # bf16 rounding of 8 outputs
 
 
@@ -33,10 +32,14 @@ def test_smoke_chain_matches_the_fp32_chain(tmp_path):
     reason="needs a CUDA device with PDL (compute capability >= 9)",
 )
 def test_pdl_launch_in_a_graph_equals_the_normal_launch():
+    """Each checked replay starts from NaN outputs; the control that launches with PDL and
+    never waits reads inputs before they are written, so the check can fail."""
     chain = pdl_chain.Chain(4, pdl_chain.LAYER, "cuda", seed=1)
     normal = pdl_chain.time_graph(chain, "chain", 3, "cuda")["output"]
+    expected = chain.reference()
+    assert (normal - expected).abs().max() < 0.05 * expected.abs().max()
     for variant in pdl_chain.PDL_VARIANTS:
         pdl = pdl_chain.time_graph(chain, variant, 3, "cuda")["output"]
         assert torch.equal(normal, pdl), variant
-    expected = chain.reference()
-    assert (normal - expected).abs().max() < 0.05 * expected.abs().max()
+    racy = pdl_chain.time_graph(chain, "chain_pdl_nowait", 3, "cuda")["output"]
+    assert not torch.equal(normal, racy)

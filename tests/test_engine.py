@@ -180,27 +180,27 @@ def test_two_engines_can_serve_one_model():
 
 
 def test_restore_order_clones_graph_outputs_unless_told_not_to():
-    """A graph's output (any mode but NONE) comes back in a new tensor by default and in place
-    with clone=False; an eager output and a reordered one are the caller's either way."""
+    """A graph's output (any mode but NONE) comes back in a new tensor by default, and with
+    clone=False as a new view of the graph's memory (never the graph's own tensor object);
+    an eager output is the caller's either way, and a reordered one is always gathered."""
     from graphattn.runner import StepPlan
 
     eng = eager_engine(TableAttentionModel(64, 4, 2, 64, seed=2), cudagraph_mode="NONE")
     hidden = torch.randn(8, 4)
     for mode in (ga.CUDAGraphMode.FULL, ga.CUDAGraphMode.PIECEWISE):
-        plan = StepPlan(5, 5, 1, 9, True, False, 8, 8, mode)
-        cloned = eng.runner.restore_order(hidden, plan)
-        assert cloned.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr()
-        in_place = eng.runner.restore_order(hidden, plan, clone=False)
-        assert in_place.data_ptr() == hidden.data_ptr() and in_place.shape == (5, 4)
-        assert torch.equal(cloned, in_place)
+        for padded in (8, 5):
+            plan = StepPlan(5, 5, 1, 9, True, False, padded, padded, mode)
+            graph_out = hidden[:padded]
+            cloned = eng.runner.restore_order(graph_out, plan)
+            assert cloned.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr()
+            in_place = eng.runner.restore_order(graph_out, plan, clone=False)
+            assert in_place is not graph_out and in_place.data_ptr() == hidden.data_ptr()
+            assert in_place.shape == (5, 4) and torch.equal(cloned, in_place)
     eager = StepPlan(5, 5, 1, 9, True, False, 5, 5, ga.CUDAGraphMode.NONE)
     assert eng.runner.restore_order(hidden[:5], eager).data_ptr() == hidden.data_ptr()
-
-
-def test_step_clone_false_matches_the_default_on_the_cpu():
-    model = TableAttentionModel(64, 4, 2, 64, seed=4)
-    eng = eager_engine(model, cudagraph_mode="NONE", num_blocks=32, block_size=16)
-    seqs = make_seqs(np.random.default_rng(5), [(0, 6), (0, 3)], 64, 16, 8)
-    batch = ga.Batch.from_requests([s.request() for s in seqs])
-    first = eng.step(batch, clone=False)
-    assert torch.equal(first, eng.step(batch))  # the same writes again: the same rows
+    order = torch.tensor([4, 0, 3, 1, 2])
+    eng.runner.buffers.output_index.gpu[:5] = order
+    reordered = StepPlan(5, 5, 1, 9, False, True, 8, 8, ga.CUDAGraphMode.FULL)
+    gathered = eng.runner.restore_order(hidden, reordered, clone=False)
+    assert torch.equal(gathered, hidden[order])
+    assert gathered.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr()

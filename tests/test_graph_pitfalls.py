@@ -69,8 +69,8 @@ def test_output_survives_the_next_replay(full_engine):
 
 
 def test_clone_false_returns_the_graph_output_in_place(full_engine):
-    """The opt-out: the rows come back in the graph's memory, which the next replay of the
-    same graph overwrites, and they match what the default returns."""
+    """The opt-out: the rows come back in the graph's memory, which a later replay (here
+    one of the same graph) overwrites, and they match what the default returns."""
     import numpy as np
 
     eng, _ = full_engine

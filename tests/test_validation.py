@@ -78,3 +78,16 @@ def test_unused_block_ids_may_be_anything():
     # request 0 needs one block; its second entry is past num_block_ids and never read
     check_batch(_decode([3, 20], [[0, -1], [2, 3]], num_block_ids=[1, 2]), LIMITS)
     check_batch(_decode([3, 20], [[0, 99], [2, 3]], num_block_ids=[1, 2]), LIMITS)
+
+
+@pytest.mark.parametrize(
+    "query_lens, computed",
+    [([3, 1, 4], [0, 20, 7]), ([1, 1], [0, 0]), ([8], [40]), ([2, 3, 1, 1], [30, 0, 63, 12])],
+)
+def test_mixed_batches_return_their_longest_sequence(query_lens, computed):
+    q = np.array(query_lens, np.int32)
+    c = np.array(computed, np.int32)
+    tokens = np.arange(int(q.sum()), dtype=np.int64) % 50
+    table = np.tile(np.arange(5, dtype=np.int32), (len(q), 1))
+    batch = ga.Batch.from_arrays(tokens, q, c, table)
+    assert check_batch(batch, LIMITS) == int((c + q).max())
