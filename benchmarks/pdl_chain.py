@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
+from benchmarks import attention as ab  # noqa: E402
 from graphattn.kernels.gemv import choose_gemv_config, gemv  # noqa: E402
 
 LAYER = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
@@ -154,14 +155,7 @@ def time_graph(chain: Chain, variant: str, reps: int, device: str) -> dict:
         chain.run(variant)
     for _ in range(5):
         graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
+    times = [ab._event_seconds(graph.replay) for _ in range(reps)]
     # The checked replay starts from poisoned outputs: a kernel that read its input before
     # the previous kernel wrote it would carry NaN to the end.
     for y in chain.outs:
