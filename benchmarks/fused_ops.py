@@ -7,7 +7,10 @@
    the plain Triton ``gemv``, cuBLAS, the unfused pair the graph would run (the op before
    the linear compiled by Inductor into one kernel, then ``gemv``) and the fused kernel:
    - qkv 3072x2048 and gate_up 16384x2048 after residual add + RMSNorm (``rms_norm_gemv``);
-   - down 2048x8192 after SiLU-and-multiply (``silu_mul_gemv``).
+   - down 2048x8192 after SiLU-and-multiply (``silu_mul_gemv``);
+   - gate_up also with the SiLU-and-multiply after it: the fused norm GEMV then Inductor's
+     SiLU-mul kernel (the step up to round 7) against the GEMV with the SiLU-mul epilogue
+     (``rms_norm_gemv(..., epilogue="silu_mul")``).
 2. Greedy sampling over [B, 128256] bf16 logits, B = 1, 8, 32, 128: ``torch.argmax`` and
    ``graphattn.greedy`` (the Triton ``kernels.argmax`` on CUDA).
 
@@ -101,6 +104,14 @@ def linear_case(label, n, k, prologue, unfused, device, smoke, reps, l2) -> list
         variants["fused: rms_norm_gemv"] = calls(
             lambda x, r, w: rms_norm_gemv(x, w, norm_w, EPS, r)
         )
+        if n == LINEARS["gate_up"][0] or smoke:  # the MLP's first linear: SiLU-mul after it
+            after = torch.compile(silu_mul) if not smoke else silu_mul
+            variants["fused: rms_norm_gemv, Inductor silu-mul"] = calls(
+                lambda x, r, w: after(rms_norm_gemv(x, w, norm_w, EPS, r)[0])
+            )
+            variants["fused: rms_norm_gemv + silu_mul epilogue"] = calls(
+                lambda x, r, w: rms_norm_gemv(x, w, norm_w, EPS, r, epilogue="silu_mul")
+            )
     else:
         variants["unfused: Inductor silu-mul, gemv"] = calls(lambda x, r, w: gemv(unfused(x), w))
         variants["fused: silu_mul_gemv"] = calls(lambda x, r, w: silu_mul_gemv(x, w))

@@ -15,7 +15,9 @@ The chain here is a true dependency chain: GEMV i reads the first K outputs of G
 (each output is at least as wide as the next K), with its own weights (1.95 GB in all,
 far beyond L2). Variants, each a CUDA graph of the 64 launches replayed after warm-up
 (median of CUDA-event timings):
-- ``library``: ``graphattn.kernels.gemv`` with its one-row configs (what the step runs);
+- ``library``: ``graphattn.kernels.gemv`` with its one-row configs, as the step runs it
+  (since round 8 with PDL on Hopper: first weight tile, wait, signal after the loop);
+- ``library_no_pdl``: the same with ``GRAPHATTN_PDL=0`` (the step up to round 7);
 - ``chain``: this file's kernel, the same tiling, launched normally;
 - ``chain_pdl``: the same kernel launched with ``launch_pdl=True``: each program loads its
   first weight tile, signals ``griddepcontrol.launch_dependents`` and waits;
@@ -29,7 +31,9 @@ normal launch's and with an fp32 reference. The kernel here is a measurement, no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -47,10 +51,12 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import attention as ab  # noqa: E402
 from graphattn.kernels.gemv import choose_gemv_config, gemv  # noqa: E402
+from graphattn.kernels.pdl import use_pdl  # noqa: E402
 
 LAYER = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
 PDL_VARIANTS = {"chain_pdl": 1, "chain_pdl_late": 2}  # variant: the kernel's PDL value
 RACY = {"chain_pdl_nowait": 3}  # the tests' control: PDL without the wait
+LIBRARY = {"library": "1", "library_no_pdl": "0"}  # variant: GRAPHATTN_PDL
 SMOKE_LAYER = (("qkv", 48, 32), ("o", 32, 32), ("gate_up", 96, 32), ("down", 32, 64))
 
 
@@ -110,6 +116,22 @@ def chain_gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, pdl: int) -> N
     )
 
 
+@contextlib.contextmanager
+def pdl_setting(value: str):
+    """``GRAPHATTN_PDL=value`` for the launches inside (a graph records them as launched)."""
+    before = os.environ.get("GRAPHATTN_PDL")
+    os.environ["GRAPHATTN_PDL"] = value
+    use_pdl.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GRAPHATTN_PDL")
+        else:
+            os.environ["GRAPHATTN_PDL"] = before
+        use_pdl.cache_clear()
+
+
 class Chain:
     """The 64 weights and outputs; ``run(variant)`` launches the chain once."""
 
@@ -132,11 +154,13 @@ class Chain:
             prev = y
 
     def run(self, variant: str) -> torch.Tensor:
+        if variant in LIBRARY:
+            with pdl_setting(LIBRARY[variant]):
+                for x, w, y in self.inputs():
+                    gemv(x[None, :], w, y[None, :])
+            return self.outs[-1]
         for x, w, y in self.inputs():
-            if variant == "library":
-                gemv(x[None, :], w, y[None, :])
-            else:
-                chain_gemv(x, w, y, pdl=PDL_VARIANTS.get(variant, RACY.get(variant, 0)))
+            chain_gemv(x, w, y, pdl=PDL_VARIANTS.get(variant, RACY.get(variant, 0)))
         return self.outs[-1]
 
     def reference(self) -> torch.Tensor:
@@ -191,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {},
     }
     pdl_ok = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    variants = ["library", "chain"] + (list(PDL_VARIANTS) if pdl_ok else [])
+    variants = ["library", "library_no_pdl", "chain"] + (list(PDL_VARIANTS) if pdl_ok else [])
     outputs = {}
     for variant in variants:
         try:
@@ -213,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if "chain" in outputs:
         for variant, out in outputs.items():
             result["variants"][variant]["equal_to_chain"] = bool(torch.equal(out, outputs["chain"]))
+    if "library" in outputs and "library_no_pdl" in outputs:  # the library's PDL against none
+        same = bool(torch.equal(outputs["library"], outputs["library_no_pdl"]))
+        result["variants"]["library"]["equal_to_no_pdl"] = same
     print_table(result)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -221,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     races = [
         v for v in PDL_VARIANTS if result["variants"].get(v, {}).get("equal_to_chain") is False
     ]
+    if result["variants"].get("library", {}).get("equal_to_no_pdl") is False:
+        races.append("library")
     return 1 if races else 0
 
 

@@ -89,6 +89,7 @@ class CompileConfig:
         "noop_elimination",
         "unfuse_residual_addmm",
         "rms_norm_gemv",
+        "silu_mul_epilogue",
         "single_row_gemv",
     )
     cache_dir: str | None = None

@@ -22,3 +22,9 @@ def cache_root() -> str:
 def debug() -> bool:
     """``GRAPHATTN_DEBUG=1`` turns on debug checks (address checks at replay, strict recompiles)."""
     return os.environ.get("GRAPHATTN_DEBUG", "0") not in ("", "0")
+
+
+def pdl() -> bool:
+    """``GRAPHATTN_PDL=0`` launches the one-row GEMV kernels without programmatic dependent
+    launch (on by default where the GPU supports it: ``graphattn/kernels/pdl.py``)."""
+    return os.environ.get("GRAPHATTN_PDL", "1") not in ("", "0")

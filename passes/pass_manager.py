@@ -63,7 +63,11 @@ class PostGradPassManager(CustomGraphPass):
 def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     """A manager running the passes named ``names`` in order; an unknown name is a ConfigError."""
     from graphattn.passes.noop_elimination import NoOpEliminationPass
-    from graphattn.passes.prologue_gemv import RmsNormGemvPass, SiluMulGemvPass
+    from graphattn.passes.prologue_gemv import (
+        RmsNormGemvPass,
+        SiluMulEpiloguePass,
+        SiluMulGemvPass,
+    )
     from graphattn.passes.single_row_gemv import SingleRowGemvPass
     from graphattn.passes.unfuse_addmm import UnfuseResidualAddmmPass
 
@@ -73,6 +77,7 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
             NoOpEliminationPass,
             UnfuseResidualAddmmPass,
             RmsNormGemvPass,
+            SiluMulEpiloguePass,
             SiluMulGemvPass,
             SingleRowGemvPass,
         )
@@ -95,6 +100,10 @@ PASS_ORDER = (
     # single_row_gemv takes the mm a prologue fold needs
     ("rms_norm_gemv", "single_row_gemv"),
     ("silu_mul_gemv", "single_row_gemv"),
+    # silu_mul_epilogue rewrites the ops rms_norm_gemv makes; where silu_mul_gemv is on
+    # too, the epilogue takes the SiLU-and-multiply first
+    ("rms_norm_gemv", "silu_mul_epilogue"),
+    ("silu_mul_epilogue", "silu_mul_gemv"),
 )
 
 
@@ -109,4 +118,10 @@ def _check_order(names: list[str]) -> None:
 
 # The GEMV passes touch only one-token builds (compile_sizes). silu_mul_gemv is opt-in: on
 # an H200 it measured on par with the kernels it replaces (passes/prologue_gemv.py).
-DEFAULT_PASSES = ("noop_elimination", "unfuse_residual_addmm", "rms_norm_gemv", "single_row_gemv")
+DEFAULT_PASSES = (
+    "noop_elimination",
+    "unfuse_residual_addmm",
+    "rms_norm_gemv",
+    "silu_mul_epilogue",
+    "single_row_gemv",
+)

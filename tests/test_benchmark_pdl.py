@@ -21,7 +21,7 @@ def test_smoke_chain_matches_the_fp32_chain(tmp_path):
     out = tmp_path / "pdl.json"
     assert pdl_chain.main(["--smoke", "--out", str(out)]) == 0
     variants = json.loads(out.read_text())["variants"]
-    for name in ("library", "chain"):
+    for name in ("library", "library_no_pdl", "chain"):
         assert variants[name]["status"].startswith("ok")
         assert variants[name]["max_abs_err_vs_fp32"] < 0.05  # bf16 rounding of 8 outputs
 
@@ -41,5 +41,7 @@ def test_pdl_launch_in_a_graph_equals_the_normal_launch():
     for variant in pdl_chain.PDL_VARIANTS:
         pdl = pdl_chain.time_graph(chain, variant, 3, "cuda")["output"]
         assert torch.equal(normal, pdl), variant
+    library = pdl_chain.time_graph(chain, "library", 3, "cuda")["output"]  # graphattn's PDL
+    assert torch.equal(library, pdl_chain.time_graph(chain, "library_no_pdl", 3, "cuda")["output"])
     racy = pdl_chain.time_graph(chain, "chain_pdl_nowait", 3, "cuda")["output"]
     assert not torch.equal(normal, racy)

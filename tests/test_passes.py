@@ -398,6 +398,7 @@ def test_factors_are_written_next_to_the_entry(toy):
         "noop_elimination",
         "unfuse_residual_addmm",
         "rms_norm_gemv",
+        "silu_mul_epilogue",
         "single_row_gemv",
     ]
 

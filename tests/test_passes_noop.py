@@ -114,6 +114,10 @@ def test_unknown_pass_is_a_config_error():
         make_pass_manager(["silu_mul_gemv", "unfuse_residual_addmm"])
     with pytest.raises(ConfigError, match="'unfuse_residual_addmm' must come before"):
         make_pass_manager(["single_row_gemv", "unfuse_residual_addmm"])
+    with pytest.raises(ConfigError, match="'rms_norm_gemv' must come before 'silu_mul_epil"):
+        make_pass_manager(["silu_mul_epilogue", "rms_norm_gemv"])
+    with pytest.raises(ConfigError, match="'silu_mul_epilogue' must come before 'silu_mul_gemv'"):
+        make_pass_manager(["rms_norm_gemv", "silu_mul_gemv", "silu_mul_epilogue"])
     assert make_pass_manager(["single_row_gemv"]).names == ["single_row_gemv"]
     with pytest.raises(ConfigError, match="list of pass names"):
         make_pass_manager("noop_elimination")

@@ -25,7 +25,11 @@ from graphattn.kernels import prologue_gemv as prologue_kernels
 from graphattn.models.llama import RMSNorm
 from graphattn.passes import single_row_gemv
 from graphattn.passes.pass_manager import DEFAULT_PASSES
-from graphattn.passes.prologue_gemv import RmsNormGemvPass, SiluMulGemvPass
+from graphattn.passes.prologue_gemv import (
+    RmsNormGemvPass,
+    SiluMulEpiloguePass,
+    SiluMulGemvPass,
+)
 
 BF16 = torch.bfloat16
 ops = torch.ops.graphattn
@@ -48,8 +52,9 @@ def _targets(gm: fx.GraphModule) -> collections.Counter:
     return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
 
 
-def _fold(gm: fx.GraphModule) -> int:
-    changed = RmsNormGemvPass()(gm.graph) + SiluMulGemvPass()(gm.graph)
+def _fold(gm: fx.GraphModule, *, epilogue: bool = False) -> int:
+    passes = [RmsNormGemvPass(), *([SiluMulEpiloguePass()] if epilogue else []), SiluMulGemvPass()]
+    changed = sum(p(gm.graph) for p in passes)
     gm.graph.lint()
     gm.recompile()
     return changed
@@ -106,6 +111,100 @@ def test_silu_mul_folds_into_silu_mul_gemv():
     assert targets[torch.ops.aten.mm.default] == targets[torch.ops.aten.split.Tensor] == 0
 
 
+def _silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _add_norm_mlp(a, b, norm_w, w_gate_up, w_down):  # [1, 64] x2, [64], [96, 64], [64, 48]
+    h = a + b
+    gate_up = torch.nn.functional.linear(_norm(h, norm_w), w_gate_up)
+    return torch.nn.functional.linear(_silu_mul(gate_up), w_down), h
+
+
+def _norm_mlp(x, norm_w, w_gate_up, w_down):
+    gate_up = torch.nn.functional.linear(_norm(x, norm_w), w_gate_up)
+    return torch.nn.functional.linear(_silu_mul(gate_up), w_down)
+
+
+MLP_SHAPES = [(64,), (96, 64), (64, 48)]
+
+
+def test_silu_mul_folds_into_the_gate_up_gemv_as_an_epilogue():
+    gm = _graph(_add_norm_mlp, (1, 64), (1, 64), *MLP_SHAPES)
+    assert _fold(gm, epilogue=True) == 2  # the norm into gate_up, then the SiLU-mul after it
+    targets = _targets(gm)
+    assert targets[ops.add_rms_norm_gemv_silu_mul.default] == 1
+    assert targets[ops.add_rms_norm_gemv.default] == targets[ops.silu_mul_gemv.default] == 0
+    for gone in (torch.ops.aten.split.Tensor, torch.ops.aten.mul.Tensor):
+        assert targets[gone] == 0, gm.code
+    assert targets[torch.ops.aten.mm.default] == 1  # down, for single_row_gemv
+    (fused,) = [n for n in gm.graph.nodes if n.target is ops.add_rms_norm_gemv_silu_mul.default]
+    assert fused.meta["val"].__class__ is tuple and fused.meta["val"][0].shape == (1, 48)
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    h = output.args[0][1]
+    assert h.target is operator.getitem and h.args == (fused, 1)  # the residual sum
+
+
+def test_silu_mul_epilogue_without_a_residual():
+    gm = _graph(_norm_mlp, (1, 64), *MLP_SHAPES)
+    assert _fold(gm, epilogue=True) == 2
+    targets = _targets(gm)
+    assert targets[ops.rms_norm_gemv_silu_mul.default] == 1
+    assert targets[ops.rms_norm_gemv.default] == targets[torch.ops.aten.split.Tensor] == 0
+
+
+def test_without_the_epilogue_pass_silu_mul_gemv_takes_the_chain():
+    gm = _graph(_norm_mlp, (1, 64), *MLP_SHAPES)
+    assert _fold(gm) == 2
+    targets = _targets(gm)
+    assert targets[ops.rms_norm_gemv.default] == targets[ops.silu_mul_gemv.default] == 1
+
+
+@pytest.mark.parametrize(
+    "fn, shapes",
+    [
+        # the gate_up product has a second user: the halves must be stored anyway
+        (
+            lambda x, nw, wgu, wd: (
+                torch.nn.functional.linear(_silu_mul(gu := _norm_linear(x, nw, wgu)), wd),
+                gu,
+            ),
+            [(1, 64), *MLP_SHAPES],
+        ),
+        # SiLU of the second half times the first
+        (
+            lambda x, nw, wgu, wd: torch.nn.functional.linear(
+                _silu_mul(_norm_linear(x, nw, wgu).flip(-1)), wd
+            ),
+            [(1, 64), *MLP_SHAPES],
+        ),
+        (
+            lambda x, nw, wgu, wd: torch.nn.functional.linear(
+                torch.nn.functional.silu((gu := _norm_linear(x, nw, wgu).chunk(2, dim=-1))[1])
+                * gu[0],
+                wd,
+            ),
+            [(1, 64), *MLP_SHAPES],
+        ),
+        # gate_up without a norm before it: no prologue GEMV to carry the epilogue
+        (
+            lambda x, nw, wgu, wd: torch.nn.functional.linear(
+                _silu_mul(torch.nn.functional.linear(x * nw, wgu)), wd
+            ),
+            [(1, 64), *MLP_SHAPES],
+        ),
+    ],
+)
+def test_other_mlps_keep_their_silu_mul(fn, shapes):
+    gm = _graph(fn, *shapes)
+    assert SiluMulEpiloguePass()(gm.graph) == 0  # nothing to fold before the norm pass
+    RmsNormGemvPass()(gm.graph)
+    assert SiluMulEpiloguePass()(gm.graph) == 0
+    targets = _targets(gm)
+    assert targets[ops.rms_norm_gemv_silu_mul.default] == 0
+
+
 @pytest.mark.parametrize(
     "fn, shapes",
     [
@@ -155,7 +254,12 @@ def _count_launches(monkeypatch) -> collections.Counter:
 
         def wrapper(*args, **kwargs):
             has_residual = name == "rms_norm_gemv" and (len(args) > 4 or "residual" in kwargs)
-            calls[label + (" + residual" if has_residual else "")] += 1
+            epilogue = kwargs.get("epilogue")
+            calls[
+                label
+                + (" + residual" if has_residual else "")
+                + (f" + {epilogue}" if epilogue else "")
+            ] += 1
             return real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, wrapper)
@@ -168,8 +272,8 @@ def _count_launches(monkeypatch) -> collections.Counter:
 
 def test_default_passes_fold_the_norms_of_a_compiled_llama_and_match(monkeypatch, tmp_path):
     """The default pass list on a bf16 Llama compiled by Inductor (CPU): one-token steps call
-    the fused norm GEMVs and the plain GEMV (the SiLU fold is opt-in), and match an engine
-    without the GEMV passes."""
+    the fused norm GEMVs (gate_up's with the SiLU-and-multiply epilogue) and the plain GEMV
+    (the SiLU prologue fold is opt-in), and match an engine without the GEMV passes."""
     monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
     calls = _count_launches(monkeypatch)
     model = small_bf16_llama(128, 64, 96, norms_off_one=True)
@@ -190,9 +294,15 @@ def test_default_passes_fold_the_norms_of_a_compiled_llama_and_match(monkeypatch
     calls.clear()
     step = ga.Batch.from_requests([ga.Request([9], 8, [0])])
     got = fused.step(step)
-    # layer 0: norm(embedding) -> qkv; o; add + norm -> gate_up; down
-    # layer 1: add + norm -> qkv; o; add + norm -> gate_up; down; the final norm stays
-    assert calls == {"rms_norm_gemv": 1, "rms_norm_gemv + residual": 3, "gemv": 4}
+    # layer 0: norm(embedding) -> qkv; o; add + norm -> gate_up -> silu * mul; down
+    # layer 1: add + norm -> qkv; o; add + norm -> gate_up -> silu * mul; down; the final
+    # norm stays
+    assert calls == {
+        "rms_norm_gemv": 1,
+        "rms_norm_gemv + residual": 1,
+        "rms_norm_gemv + residual + silu_mul": 2,
+        "gemv": 4,
+    }
     want = plain.step(step)
     assert rel_err(got, want) < 2e-2  # bf16 activations, rounded at other places by Inductor
 

@@ -83,6 +83,43 @@ def test_silu_mul_gemv_matches_the_unfused_ops(n, k, dtype):
     assert _product_err(out, s, weight) < 3 * UNIT[dtype]
 
 
+def _silu_mul_err(s: torch.Tensor, normed: torch.Tensor, weight: torch.Tensor, unit: float):
+    """Largest error of ``s`` against ``silu(gate) * up`` of ``normed @ weight.T`` in float64,
+    each element over its bound: gate and up each within three units of their scale (as
+    ``_product_err`` holds the plain product), carried through SiLU (slope in [-0.1, 1.1])
+    and the product, plus two roundings of the result (SiLU's and the product's)."""
+    n, w = normed.double(), weight.double()
+    gate_w, up_w = w.chunk(2, dim=0)
+    gate, up = n @ gate_w.T, n @ up_w.T
+    d_gate = 3 * unit * (n.abs() @ gate_w.abs().T)
+    d_up = 3 * unit * (n.abs() @ up_w.abs().T)
+    silu = torch.nn.functional.silu(gate)
+    want = silu * up
+    bound = 1.1 * d_gate * (up.abs() + d_up) + silu.abs() * d_up + 2 * unit * want.abs()
+    return float(((s.double() - want).abs() / bound.clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("n, k", [(2, 8), (194, 200), (260, 520), (194, 1024)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_silu_mul_epilogue_matches_the_unfused_ops(n, k, dtype, with_residual):
+    x, weight, norm_weight, residual = _norm_inputs(n, k, dtype, seed=2)
+    residual = residual if with_residual else None
+    s, h = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, epilogue="silu_mul")
+    full, h_full = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual)
+    assert s.shape == (1, n // 2) and s.dtype == dtype
+    assert torch.equal(h, h_full)
+    hf = (x if residual is None else h_full).float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()).to(
+        dtype
+    )
+    assert _silu_mul_err(s, normed, weight, UNIT[dtype]) <= 1
+    # the bound is tight enough to catch halves taken the wrong way round
+    gate, up = full.chunk(2, dim=-1)
+    swapped = torch.nn.functional.silu(up.float()).to(dtype) * gate
+    assert _silu_mul_err(swapped, normed, weight, UNIT[dtype]) > 1
+
+
 @pytest.mark.parametrize(
     "call, error, message",
     [
@@ -107,6 +144,16 @@ def test_silu_mul_gemv_matches_the_unfused_ops(n, k, dtype):
         ),
         (lambda x, w, nw, r: rms_norm_gemv(x, w, nw, 1e-5, r[:, :-1]), ValueError, "residual"),
         (lambda x, w, nw, r: silu_mul_gemv(x, w), ValueError, "gate_up dim 1"),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w, nw, 1e-5, epilogue="gelu"),
+            ValueError,
+            "epilogue must be one of",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w[:15], nw, 1e-5, epilogue="silu_mul"),
+            ValueError,
+            "even number of weight rows",
+        ),
         (
             lambda x, w, nw, r: rms_norm_gemv(x, w[:0], nw, 1e-5, r),
             ValueError,
@@ -138,3 +185,6 @@ def test_llama_shapes_on_the_gpu(n, k):
     gate, up = gate_up.chunk(2, dim=-1)
     s = torch.nn.functional.silu(gate.float()).to(dtype) * up
     assert _product_err(silu_mul_gemv(gate_up, weight[:, :k]), s, weight[:, :k]) < 3 * UNIT[dtype]
+    fused, h_fused = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, epilogue="silu_mul")
+    assert torch.equal(h_fused, h_want)
+    assert _silu_mul_err(fused, normed, weight, UNIT[dtype]) <= 1

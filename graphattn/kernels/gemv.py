@@ -20,6 +20,10 @@ loop are unmasked (unless K is not a multiple of the split's tiles); their resul
 dropped at the store. Accumulation is fp32. With ``split_k`` > 1 each program stores its
 fp32 partial sums to a workspace ``[split_k, M, N]`` that a second kernel sums in split
 order into ``out``: deterministic, no atomics.
+
+On Hopper and later the kernel is launched with programmatic dependent launch
+(``pdl.py``): a program loads its first weight tile, waits for the kernels before it, and
+signals the next kernel after its K loop.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from graphattn.kernels.checks import (
     expect_same_device,
     expect_unit_last_stride,
 )
+from graphattn.kernels.pdl import launch_options
 
 MAX_ROWS = 16  # rows of x one launch takes; beyond that a GEMM (cuBLAS) reads the weight as well
 MAX_SPLIT_K = 16
@@ -141,6 +146,7 @@ def _launch(
 ) -> None:
     (m, k), n = x.shape, weight.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    pdl = launch_options(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
         x,
         weight,
@@ -164,8 +170,10 @@ def _launch(
         DOT_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16,
         # On the loop: Triton pipelines loads that feed no tl.dot only when the loop asks.
         STAGES=config.num_stages,
+        PDL=bool(pdl),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl,
     )
 
 
@@ -287,6 +295,7 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # launched with launch_pdl: first weight tile, wait, ..., signal (pdl.py)
 ):
     split = tl.program_id(1)
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
@@ -305,7 +314,17 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+    k_first = k_lo
+    if PDL:  # the first tile: its weights before the wait (no kernel writes them), x after
+        k_ok = (k_lo + cols < k_hi)[None, :]
+        w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        acc = _gemv_tile(acc, w, x, BLOCK_M, DOT, DOT_PRECISION, DOT_FP32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_first = k_lo + BLOCK_K
+    for k in tl.range(k_first, k_hi, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs)
@@ -313,17 +332,11 @@ def _gemv_kernel(
             k_ok = (k + cols < k_hi)[None, :]
             w = tl.load(w_ptrs, mask=k_ok, other=0.0)
             x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        if DOT:
-            if DOT_FP32:
-                w, x = w.to(tl.float32), x.to(tl.float32)
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BN, BM]
-        elif BLOCK_M == 1:
-            acc += w.to(tl.float32) * x.to(tl.float32)  # [BN, BK]
-        else:
-            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
-            acc += tl.sum(prod, axis=2)
+        acc = _gemv_tile(acc, w, x, BLOCK_M, DOT, DOT_PRECISION, DOT_FP32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if DOT:
         res = tl.trans(acc)
     elif BLOCK_M == 1:
@@ -333,6 +346,29 @@ def _gemv_kernel(
     dst = dst_ptr + split.to(tl.int64) * stride_ds + rows_m[:, None] * stride_dm + rows_n[None, :]
     mask = (rows_m < M)[:, None] & (rows_n < N)[None, :]
     tl.store(dst, res.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_tile(
+    acc,
+    w,  # [BN, BK]
+    x,  # [BM, BK]
+    BLOCK_M: tl.constexpr,
+    DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """``acc`` plus one K tile's products (the layout of ``acc`` is the path's)."""
+    if DOT:
+        if DOT_FP32:
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BN, BM]
+    elif BLOCK_M == 1:
+        acc += w.to(tl.float32) * x.to(tl.float32)  # [BN, BK]
+    else:
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+        acc += tl.sum(prod, axis=2)
+    return acc
 
 
 @triton.jit

@@ -18,12 +18,19 @@ the result right back. Here the GEMV computes its own input from the op's inputs
   in fp32 then to x's dtype, the product in x's dtype) over ``gate_up = [gate | up]``, then
   ``out = s @ w.T``.
 
+And one epilogue, for the MLP's first linear: ``rms_norm_gemv(..., epilogue="silu_mul")``
+streams the ``[gate | up]`` weight's two halves together (each program ``block_n / 2`` rows
+of each) and stores ``silu(gate) * up`` instead of the two halves, rounded as the graph
+rounds it (gate and up to x's dtype, SiLU in fp32 then to x's dtype, the product in x's
+dtype). The SiLU-and-multiply kernel between gate_up and down goes, with its launch.
+
 The SiLU product rounds as the post-grad graph ``passes/prologue_gemv.py`` rewrites does;
 the normalized row is never rounded to x's dtype (the graph rounds it once), so a fused
 norm differs from the unfused one by at most that rounding of each element: one unit of
 ``|n| @ |w.T|`` (tests/test_prologue_gemv.py holds both folds to three units with the
 output's own rounding). Weight tiles are streamed as in ``gemv.py`` (``block_n`` rows per
-program, K in ``block_k`` tiles, fp32 products summed once after the loop).
+program, K in ``block_k`` tiles, fp32 products summed once after the loop), and launched
+with programmatic dependent launch on Hopper and later (``pdl.py``).
 """
 
 from __future__ import annotations
@@ -41,9 +48,11 @@ from graphattn.kernels.checks import (
     expect_unit_last_stride,
 )
 from graphattn.kernels.gemv import choose_gemv_config
+from graphattn.kernels.pdl import launch_options
 
 PROLOGUE_DTYPES = (torch.bfloat16, torch.float16)
 RMS_NORM, SILU_MUL = 0, 1
+EPILOGUES = (None, "silu_mul")
 
 
 def rms_norm_gemv(
@@ -52,22 +61,27 @@ def rms_norm_gemv(
     norm_weight: torch.Tensor,  # [K]
     eps: float,
     residual: torch.Tensor | None = None,  # [1, K]
+    *,
+    epilogue: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)``; see the module. Without a
-    residual the second result is ``x`` itself."""
+    residual the second result is ``x`` itself. ``epilogue="silu_mul"`` takes the product
+    as ``[gate | up]`` (N even) and returns ``silu(gate) * up``, ``[1, N / 2]``, instead."""
     expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("x", x, weight, weight.shape[1])
     expect_ndim("norm_weight", norm_weight, 1, "[K]")
     expect_dim("norm_weight", norm_weight, 0, x.shape[1], "K")
     expect_unit_last_stride("norm_weight", norm_weight)
     expect_same_device({"x": x, "weight": weight, "norm_weight": norm_weight})
+    glu = _check_epilogue(epilogue, weight)
     if residual is not None:
         _check_row("residual", residual, weight, x.shape[1])
         expect_same_device({"x": x, "residual": residual})
         h = torch.empty_like(x)
     else:
         residual = h = x  # unused by the kernel
-    out = _launch(x, residual, h, norm_weight, weight, float(eps), RMS_NORM, residual is not h)
+    has_residual = residual is not h
+    out = _launch(x, residual, h, norm_weight, weight, float(eps), RMS_NORM, has_residual, glu)
     return out, h
 
 
@@ -76,14 +90,18 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("gate_up", gate_up, weight, 2 * weight.shape[1])
     expect_same_device({"gate_up": gate_up, "weight": weight})
-    return _launch(gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False)
+    return _launch(gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False, False)
 
 
-def _launch(x, residual, h, norm_weight, weight, eps, prologue, has_residual) -> torch.Tensor:
-    n, k = weight.shape
+def _launch(x, residual, h, norm_weight, weight, eps, prologue, has_residual, glu) -> torch.Tensor:
+    rows, k = weight.shape
+    n = rows // 2 if glu else rows  # output columns
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    config = choose_gemv_config(1, n, k, 1)  # the one-row configs do not depend on SMs
-    _prologue_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+    config = choose_gemv_config(1, rows, k, 1)  # the one-row configs do not depend on SMs
+    # GLU: a program streams block_n weight rows as before, half from each half of the weight
+    block_n = max(1, config.block_n // 2) if glu else config.block_n
+    pdl = launch_options(x.device)
+    _prologue_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         residual,
         h,
@@ -96,14 +114,31 @@ def _launch(x, residual, h, norm_weight, weight, eps, prologue, has_residual) ->
         eps,
         PROLOGUE=prologue,
         HAS_RESIDUAL=has_residual,
+        GLU=glu,
+        PDL=bool(pdl),
         EVEN_K=k % config.block_k == 0,
-        BLOCK_N=config.block_n,
+        BLOCK_N=block_n,
         BLOCK_K=config.block_k,
         STAGES=config.num_stages,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl,
     )
     return out
+
+
+def _check_epilogue(epilogue: str | None, weight: torch.Tensor) -> bool:
+    """Whether the launch computes ``silu(gate) * up`` (a typed error for anything else)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if epilogue is None:
+        return False
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"epilogue='silu_mul' needs an even number of weight rows ([gate | up]), got "
+            f"weight shape {list(weight.shape)}"
+        )
+    return True
 
 
 def _check_row(name: str, t: torch.Tensor, weight: torch.Tensor, k: int) -> None:
@@ -125,14 +160,16 @@ def _prologue_gemv_kernel(
     res_ptr,  # [K], HAS_RESIDUAL only
     h_ptr,  # [K] output x + residual, HAS_RESIDUAL only
     norm_w_ptr,  # [K], RMS_NORM only
-    w_ptr,  # [N, K]
+    w_ptr,  # [N, K], or [2N, K] with GLU (gate rows, then up rows)
     out_ptr,  # [N]
-    N,
+    N,  # output columns
     K,
     stride_wn,
     eps,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GLU: tl.constexpr,  # out = silu(gate) * up over the two halves of the weight's rows
+    PDL: tl.constexpr,  # launched with launch_pdl: first weight tile, wait, ..., signal (pdl.py)
     EVEN_K: tl.constexpr,  # K is whole tiles: no masks in the loop
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -143,36 +180,88 @@ def _prologue_gemv_kernel(
     cols = tl.arange(0, BLOCK_K)  # [BK]
     # Clamped rows read real data, so only K needs a mask; their results are not stored.
     w_ptrs = w_ptr + (tl.minimum(rows, N - 1).to(tl.int64) * stride_wn)[:, None] + cols[None, :]
-    dtype = out_ptr.dtype.element_ty
+    up_ptrs = w_ptrs + N.to(tl.int64) * stride_wn  # GLU: the up half's rows
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GLU only
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMS_NORM: h^2, summed over K after the loop
     h_len = tl.where(pid == 0, K, 0)  # program 0 writes h
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    k_first = 0
+    if PDL:  # the first tile: its weights before the wait (no kernel writes them), x after
+        ok = cols < K
+        w = tl.load(w_ptrs, mask=ok[None, :], other=0.0)
+        w_up = tl.load(up_ptrs, mask=ok[None, :], other=0.0) if GLU else w
+        tl.extra.cuda.gdc_wait()
+        a, a_sq = _prologue(
+            x_ptr, res_ptr, h_ptr, norm_w_ptr, out_ptr, cols, ok, h_len, K,
+            PROLOGUE, HAS_RESIDUAL, False,
+        )  # fmt: skip
+        sq += a_sq
+        acc += w.to(tl.float32) * a[None, :]
+        if GLU:
+            acc_up += w_up.to(tl.float32) * a[None, :]
+        w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+        k_first = BLOCK_K
+    for k in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
         offs = k + cols
         ok = offs < K
-        if PROLOGUE == 0:  # RMS_NORM: h * norm_w now, the row's rsqrt after the loop
-            h = _load(x_ptr + offs, ok, EVEN_K)
-            if HAS_RESIDUAL:
-                h = (h.to(tl.float32) + _load(res_ptr + offs, ok, EVEN_K).to(tl.float32)).to(dtype)
-                tl.store(h_ptr + offs, h, mask=offs < h_len)
-            hf = h.to(tl.float32)
-            sq += hf * hf
-            a = hf * _load(norm_w_ptr + offs, ok, EVEN_K).to(tl.float32)
-        else:  # SILU_MUL
-            gate = _load(x_ptr + offs, ok, EVEN_K).to(tl.float32)
-            up = _load(x_ptr + K + offs, ok, EVEN_K).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            a = (silu * up).to(dtype).to(tl.float32)
+        a, a_sq = _prologue(
+            x_ptr, res_ptr, h_ptr, norm_w_ptr, out_ptr, offs, ok, h_len, K,
+            PROLOGUE, HAS_RESIDUAL, EVEN_K,
+        )  # fmt: skip
+        sq += a_sq
         if EVEN_K:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a[None, :]
+        if GLU:
+            if EVEN_K:
+                w_up = tl.load(up_ptrs)
+            else:
+                w_up = tl.load(up_ptrs, mask=ok[None, :], other=0.0)
+            acc_up += w_up.to(tl.float32) * a[None, :]
         w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    dtype = out_ptr.dtype.element_ty
     res = tl.sum(acc, axis=1)
+    up = tl.sum(acc_up, axis=1)
     if PROLOGUE == 0:
-        res = res * tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        scale = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        res = res * scale
+        up = up * scale
+    if GLU:  # rounded as the graph rounds: gate and up stored, SiLU in fp32, then the product
+        gate = res.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        res = silu * up.to(dtype).to(tl.float32)
     tl.store(out_ptr + rows, res.to(dtype), mask=rows < N)
+
+
+@triton.jit
+def _prologue(
+    x_ptr, res_ptr, h_ptr, norm_w_ptr, out_ptr, offs, ok, h_len, K,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """The GEMV's input over one K tile ``offs`` in fp32, and its ``h^2`` (RMS_NORM; zeros
+    for SILU_MUL)."""
+    dtype = out_ptr.dtype.element_ty
+    if PROLOGUE == 0:  # RMS_NORM: h * norm_w now, the row's rsqrt after the loop
+        h = _load(x_ptr + offs, ok, EVEN_K)
+        if HAS_RESIDUAL:
+            h = (h.to(tl.float32) + _load(res_ptr + offs, ok, EVEN_K).to(tl.float32)).to(dtype)
+            tl.store(h_ptr + offs, h, mask=offs < h_len)
+        hf = h.to(tl.float32)
+        a = hf * _load(norm_w_ptr + offs, ok, EVEN_K).to(tl.float32)
+        a_sq = hf * hf
+    else:  # SILU_MUL
+        gate = _load(x_ptr + offs, ok, EVEN_K).to(tl.float32)
+        up = _load(x_ptr + K + offs, ok, EVEN_K).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        a = (silu * up).to(dtype).to(tl.float32)
+        a_sq = tl.zeros_like(a)
+    return a, a_sq
 
 
 @triton.jit

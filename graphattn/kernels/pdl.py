@@ -1,0 +1,49 @@
+"""Programmatic dependent launch (PDL) for the one-row GEMV kernels.
+
+Between two kernels a CUDA graph drains the first one's last programs, then ramps the next
+one up. With PDL (Hopper and later) the next kernel's programs start while the first one's
+last programs finish: a kernel launched with ``launch_pdl=True`` runs ahead up to
+``griddepcontrol.wait`` (``tl.extra.cuda.gdc_wait``), which returns once every kernel it
+depends on has finished and its writes are visible. The kernel before it lets it start
+early with ``gdc_launch_dependents``; one that never calls it (Inductor's kernels, cuBLAS)
+lets it start when it finishes, as a normal launch would.
+
+The GEMV kernels (``gemv.py``, ``prologue_gemv.py``) use it this way:
+- before the wait a program loads only its first weight tile: no kernel in a step writes
+  weights, so the tile cannot be stale;
+- every read of activations and every store comes after the wait, so the kernel neither
+  reads an input early nor overwrites a buffer an earlier kernel still reads;
+- every program waits, so the kernel finishes only after everything before it has;
+- it signals its dependents after its K loop, not at its start: signalling at the start let
+  the next kernel's programs take SM slots and wait in them while this one still streamed,
+  which measured slower (``benchmarks/pdl_chain.py``, docs/performance.md).
+
+``GRAPHATTN_PDL=0`` turns it off. It is off on the CPU (the Triton interpreter), on ROCm and
+before compute capability 9.0, where the kernels take the normal launch path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from graphattn import envs
+
+MIN_CAPABILITY = 9  # griddepcontrol needs sm_90
+
+
+@functools.lru_cache(maxsize=16)
+def use_pdl(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL (``GRAPHATTN_PDL`` is read once per device and
+    process; ``use_pdl.cache_clear()`` reads it again)."""
+    if device.type != "cuda" or envs.triton_interpret() or torch.version.hip:
+        return False
+    if not envs.pdl():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= MIN_CAPABILITY
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments for a kernel launch: ``{"launch_pdl": True}`` where PDL is on."""
+    return {"launch_pdl": True} if use_pdl(device) else {}
