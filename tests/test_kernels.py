@@ -755,6 +755,7 @@ def compile_for_hopper() -> list[dict]:
             plan, block_size=16, dtype=dtype, device_type="cuda", sliding=sliding, soft_cap=soft_cap
         )
         constants["WRITE_KV"] = tokens == 64  # decodes write the new keys in the launch
+        constants["PDL"] = True  # as launched on Hopper (kernels/pdl.py)
         options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
         kernel = ua._attention_kernel
         src = ASTSource(kernel, _signature(kernel, dtype), constants, _aligned(kernel))
@@ -764,7 +765,7 @@ def compile_for_hopper() -> list[dict]:
     reduce = ASTSource(
         split_kv._reduce_kernel,
         _signature(split_kv._reduce_kernel, torch.bfloat16),
-        dict(HEAD_SIZE=128, D_PAD=128, S_PAD=32),
+        dict(HEAD_SIZE=128, D_PAD=128, S_PAD=32, PDL=True),
         _aligned(split_kv._reduce_kernel),
     )
     compiled = triton.compile(reduce, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

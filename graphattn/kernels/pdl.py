@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the one-row GEMV kernels.
+"""Programmatic dependent launch (PDL) for graphattn's Triton kernels.
 
 Between two kernels a CUDA graph drains the first one's last programs, then ramps the next
 one up. With PDL (Hopper and later) the next kernel's programs start while the first one's
@@ -8,18 +8,21 @@ depends on has finished and its writes are visible. The kernel before it lets it
 early with ``gdc_launch_dependents``; one that never calls it (Inductor's kernels, cuBLAS)
 lets it start when it finishes, as a normal launch would.
 
-The GEMV kernels (``gemv.py``, ``prologue_gemv.py``) use it this way:
-- before the wait a program loads only its first weight tile: no kernel in a step writes
-  weights, so the tile cannot be stale;
-- every read of activations and every store comes after the wait, so the kernel neither
-  reads an input early nor overwrites a buffer an earlier kernel still reads;
-- every program waits, so the kernel finishes only after everything before it has;
-- it signals its dependents after its K loop, not at its start: signalling at the start let
-  the next kernel's programs take SM slots and wait in them while this one still streamed,
-  which measured slower (``benchmarks/pdl_chain.py``, docs/performance.md).
+The kernels that use it, and how:
+- the GEMVs (``gemv.py``, ``prologue_gemv.py``): before the wait a program loads only its
+  first weight tile (no kernel in a step writes weights, so the tile cannot be stale);
+- attention and the split-KV reduction (``unified_attention.py``, ``split_kv.py``): every
+  read comes after the wait;
+- in all of them every read of activations, metadata or the cache, and every store, comes
+  after the wait, so a kernel neither reads an input early nor overwrites a buffer an
+  earlier kernel still reads; every program waits (before any early return), so a kernel
+  finishes only after everything before it has;
+- each signals its dependents after its main loop, not at its start: signalling at the
+  start let the next kernel's programs take SM slots and wait in them while this one still
+  streamed, which measured slower (``benchmarks/pdl_chain.py``, docs/performance.md).
 
 ``GRAPHATTN_PDL=0`` turns it off. It is off on the CPU (the Triton interpreter), on ROCm and
-before compute capability 9.0, where the kernels take the normal launch path.
+before compute capability 9.0, where the kernels launch normally.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from graphattn.kernels.attention_plan import SPLIT_SLOTS, AttentionPlan
+from graphattn.kernels.pdl import launch_options
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ def reduce_splits(
 ) -> None:
     """Merge the partial results of every real token into ``output`` (padding rows: untouched
     past the last request, zero for requests without keys)."""
+    pdl = launch_options(output.device)
     _reduce_kernel[plan.reduce_grid](
         scratch.out,
         scratch.lse,
@@ -77,7 +79,9 @@ def reduce_splits(
         HEAD_SIZE=plan.head_size,
         D_PAD=triton.next_power_of_2(plan.head_size),
         S_PAD=triton.next_power_of_2(plan.num_splits),
+        PDL=bool(pdl),
         num_warps=4,
+        **pdl,
     )
 
 
@@ -116,7 +120,10 @@ def _reduce_kernel(
     HEAD_SIZE: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # launched with launch_pdl: wait before any read, signal after them
 ):
+    if PDL:  # the partial results come from the attention kernel before (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_reqs):  # a padding token no request owns
@@ -132,6 +139,8 @@ def _reduce_kernel(
     weight = tl.exp2(lse - top)  # [S], 1 for the largest split, 0 for empty ones
     mask = has_keys[:, None] & (dims < HEAD_SIZE)[None, :]  # never read an empty split
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     total = tl.maximum(tl.sum(weight, 0), 1.0)  # >= 1 when any split has keys; else out = 0
     out = tl.sum(parts * weight[:, None], 0) / total  # [D]
     dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims

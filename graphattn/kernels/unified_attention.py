@@ -37,6 +37,7 @@ from graphattn.kernels.checks import (
     expect_unit_last_stride,
 )
 from graphattn.kernels.kv_cache_write import check_write_args
+from graphattn.kernels.pdl import launch_options
 from graphattn.kernels.split_kv import store_partial
 
 LOG2E = math.log2(math.e)
@@ -86,6 +87,7 @@ def unified_attention(
     else:
         partial_out = partial_lse = output  # unused by the kernel
     score_scale, cap_scale = _score_scales(scale, soft_cap)
+    pdl = launch_options(query.device)
     constants = kernel_constants(
         plan,
         block_size=key_cache.shape[1],
@@ -124,7 +126,9 @@ def unified_attention(
         stride_vt,
         stride_vh,
         WRITE_KV=new_kv is not None,
+        PDL=bool(pdl),
         **constants,
+        **pdl,
     )
     if plan.num_splits > 1:
         split_kv.reduce_splits(scratch, output, query_start_loc, plan)
@@ -214,7 +218,10 @@ def _attention_kernel(
     SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,  # launched with launch_pdl: wait before any read, signal after the keys
 ):
+    if PDL:  # every input may come from the kernel before (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
     # Last tiles first: under causal masking they see the most keys, so the long programs
     # start in the first wave and the short ones fill the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -278,6 +285,8 @@ def _attention_kernel(
         HEAD_SIZE, D_PAD, TILE_N, BLOCK_SIZE, True, SLIDING, SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
 
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     has_keys = l_i > 0.0  # false only for rows that see nothing (padding, empty splits)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [M, D]
     store_mask = row_ok[:, None] & dim_ok[None, :]
