@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 import graphattn as ga
+from graphattn.kernels.pdl import use_pdl
 from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1283,6 +1284,8 @@ def run_meta(s: Settings) -> dict:
         "triton": _version("triton"),
         "graphattn": ga.__version__,
         "commit": _git_commit(),
+        # programmatic dependent launch in graphattn's kernels (kernels/pdl.py; GRAPHATTN_PDL)
+        "pdl": use_pdl(torch.device(s.device)),
         "python": platform.python_version(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "model": dataclasses.asdict(cfg),
@@ -1627,7 +1630,8 @@ def print_table(data: dict, out_path: Path | None = None) -> None:
     lines = [
         "",
         f"graphattn decode benchmark: {meta['device']}, torch {meta['torch']}, triton "
-        f"{meta['triton']}, {meta['date_utc']}, commit {meta['commit']}",
+        f"{meta['triton']}, {meta['date_utc']}, commit {meta['commit']}, "
+        f"PDL {'on' if meta.get('pdl') else 'off'}",
         f"command: {meta['command']}",
     ]
     for section in (
