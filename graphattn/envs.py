@@ -1,4 +1,6 @@
-"""Environment variables graphattn reads, all in one place."""
+"""Environment variables graphattn reads, all in one place but one: ``GRAPHATTN_PDL``
+(``0`` launches the Triton kernels without programmatic dependent launch) is read by
+``graphattn/kernels/pdl.py``, since the kernels import only torch and triton."""
 
 from __future__ import annotations
 
@@ -22,9 +24,3 @@ def cache_root() -> str:
 def debug() -> bool:
     """``GRAPHATTN_DEBUG=1`` turns on debug checks (address checks at replay, strict recompiles)."""
     return os.environ.get("GRAPHATTN_DEBUG", "0") not in ("", "0")
-
-
-def pdl() -> bool:
-    """``GRAPHATTN_PDL=0`` launches the one-row GEMV kernels without programmatic dependent
-    launch (on by default where the GPU supports it: ``graphattn/kernels/pdl.py``)."""
-    return os.environ.get("GRAPHATTN_PDL", "1") not in ("", "0")

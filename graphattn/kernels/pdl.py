@@ -28,21 +28,23 @@ before compute capability 9.0, where the kernels launch normally.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-from graphattn import envs
-
 MIN_CAPABILITY = 9  # griddepcontrol needs sm_90
+ENV = "GRAPHATTN_PDL"  # "0" turns PDL off (kernels import only torch and triton: read here)
 
 
 @functools.lru_cache(maxsize=16)
 def use_pdl(device: torch.device) -> bool:
     """Whether launches on ``device`` use PDL (``GRAPHATTN_PDL`` is read once per device and
     process; ``use_pdl.cache_clear()`` reads it again)."""
-    if device.type != "cuda" or envs.triton_interpret() or torch.version.hip:
+    if device.type != "cuda" or torch.version.hip:
         return False
-    if not envs.pdl():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if os.environ.get(ENV, "1") in ("", "0"):
         return False
     return torch.cuda.get_device_capability(device)[0] >= MIN_CAPABILITY
 
