@@ -9,6 +9,11 @@ carry NaN, or a stale value, to the end).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -28,6 +33,80 @@ def test_pdl_is_off_on_the_cpu(fresh_pdl):
     fresh_pdl.setenv("GRAPHATTN_PDL", "1")
     assert not pdl.use_pdl(torch.device("cpu"))
     assert pdl.launch_options(torch.device("cpu")) == {}
+
+
+def compile_gemvs_for_hopper() -> list[dict]:
+    """Compile the GEMV kernels as launched with PDL on an sm_90 GPU, without one: N as an
+    argument and as the constexpr 1 Triton makes of an int argument equal to 1. Runs in a
+    process without TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from graphattn.kernels import gemv, prologue_gemv
+
+    launches = {
+        "prologue, norm + silu_mul": (
+            prologue_gemv._prologue_gemv_kernel,
+            dict(PROLOGUE=0, HAS_RESIDUAL=True, GLU=True, EVEN_K=False, BLOCK_N=4, BLOCK_K=512),
+        ),
+        "prologue, silu_mul in": (
+            prologue_gemv._prologue_gemv_kernel,
+            dict(PROLOGUE=1, HAS_RESIDUAL=False, GLU=False, EVEN_K=True, BLOCK_N=4, BLOCK_K=512),
+        ),
+        "gemv, one row": (
+            gemv._gemv_kernel,
+            dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, EVEN_K=False, DOT=False),
+        ),
+    }
+    results = []
+    for label, (kernel, constants) in launches.items():
+        for n in (None, 1):
+            consts = {**constants, "STAGES": 3, "PDL": True}
+            if kernel is gemv._gemv_kernel:
+                consts |= {"DOT_PRECISION": "tf32", "DOT_FP32": False}
+            if n is not None:
+                consts["N"] = n
+            sig = {}
+            for name in kernel.arg_names:
+                if name in consts:
+                    sig[name] = "constexpr"
+                elif name.endswith("_ptr"):
+                    sig[name] = "*bf16"
+                else:
+                    sig[name] = "fp32" if name == "eps" else "i32"
+            compiled = triton.compile(
+                ASTSource(kernel, sig, consts),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": 2, "num_stages": 3},
+            )
+            ptx = compiled.asm["ptx"]
+            results.append(
+                dict(
+                    case=f"{label}, N={n or 'arg'}",
+                    wait="griddepcontrol.wait" in ptx,
+                    signal="griddepcontrol.launch_dependents" in ptx,
+                )
+            )
+    return results
+
+
+def test_gemv_kernels_compile_for_hopper_with_pdl():
+    """CI has no GPU: the PDL variants compile for sm_90 and carry both instructions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, test_pdl; print(json.dumps(test_pdl.compile_gemvs_for_hopper()))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(__file__),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 6
+    for r in results:
+        assert r["wait"] and r["signal"], r
 
 
 @pytest.mark.gpu

@@ -180,7 +180,8 @@ def _prologue_gemv_kernel(
     cols = tl.arange(0, BLOCK_K)  # [BK]
     # Clamped rows read real data, so only K needs a mask; their results are not stored.
     w_ptrs = w_ptr + (tl.minimum(rows, N - 1).to(tl.int64) * stride_wn)[:, None] + cols[None, :]
-    up_ptrs = w_ptrs + N.to(tl.int64) * stride_wn  # GLU: the up half's rows
+    # GLU: the up half's rows (N may be a constexpr: Triton specialises an int equal to 1)
+    up_ptrs = w_ptrs + tl.cast(N, tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GLU only
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMS_NORM: h^2, summed over K after the loop
