@@ -260,6 +260,11 @@ def _fold_silu_mul_epilogue(graph: fx.Graph, call: fx.Node) -> bool:
     if silu_mul is None:
         return False
     x, chain = silu_mul
+    # every node between the product and x must die with the rewrite, or the product (and
+    # the GEMV streaming the weight) would stay as well
+    inside = {*chain, x}
+    if any(user not in inside for node in chain if node is not x for user in node.users):
+        return False
     with graph.inserting_after(call):
         fused = graph.call_function(_EPILOGUE_OPS[call.target], call.args, call.kwargs)
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in call.args]

@@ -85,7 +85,8 @@ def module_uuid(name: str, *modules: str) -> str:
 
 def single_row_linear_weight(node: fx.Node) -> fx.Node | None:
     """The ``[N, K]`` weight node of ``mm(x, permute(w, [1, 0]))`` when ``x`` is statically
-    one row and both run on CUDA in a GEMV dtype with 16-byte rows; else None."""
+    one row, ``w`` is a graph input or attribute (a parameter), and both run on CUDA in a
+    GEMV dtype with 16-byte rows; else None."""
     if node.op != "call_function" or node.target is not aten.mm.default or len(node.args) != 2:
         return None
     x, transposed = node.args
@@ -96,7 +97,9 @@ def single_row_linear_weight(node: fx.Node) -> fx.Node | None:
     if transposed.target is aten.permute.default and list(transposed.args[1]) != [1, 0]:
         return None
     weight = transposed.args[0]
-    if not isinstance(weight, fx.Node):
+    # A parameter (a graph input or attribute), never a value computed in the graph: the
+    # GEMVs read their first weight tile before waiting for the kernel before them (PDL)
+    if not isinstance(weight, fx.Node) or weight.op not in ("placeholder", "get_attr"):
         return None
     xv, wv = x.meta.get("val"), weight.meta.get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor):

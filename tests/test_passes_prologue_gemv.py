@@ -37,12 +37,14 @@ NO_GEMV = ("noop_elimination", "unfuse_residual_addmm")
 WITH_PROLOGUE = (*NO_GEMV, "rms_norm_gemv", "silu_mul_gemv", "single_row_gemv")  # + opt-in
 
 
-def _graph(fn, *shapes):
-    """Post-grad-like ATen graph of ``fn`` over fake bf16 CUDA tensors of ``shapes``."""
+def _graph(fn, *shapes, keep=()):
+    """Post-grad-like ATen graph of ``fn`` over fake bf16 CUDA tensors of ``shapes`` (the ops
+    in ``keep`` stay undecomposed)."""
     mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
         args = [torch.empty(*s, dtype=BF16, device="cuda") for s in shapes]
-    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    table = {op: f for op, f in select_decomp_table().items() if op not in keep}
+    gm = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*args)
     gm.graph.eliminate_dead_code()  # as Inductor has by the time post-grad passes run
     gm.recompile()
     return gm
@@ -161,8 +163,34 @@ def test_without_the_epilogue_pass_silu_mul_gemv_takes_the_chain():
     assert targets[ops.rms_norm_gemv.default] == targets[ops.silu_mul_gemv.default] == 1
 
 
+def test_an_epilogue_that_would_leave_the_product_alive_is_not_made():
+    """With ``aten.silu`` kept whole, the fp32 gate may have other users; the rewrite would
+    then leave the product (and the GEMV streaming the weight) in the graph as well."""
+
+    def fn(x, nw, wgu, wd):
+        gate, up = _norm_linear(x, nw, wgu).chunk(2, dim=-1)
+        gate_f32 = gate.float()
+        s = torch.nn.functional.silu(gate_f32).to(BF16) * up
+        return torch.nn.functional.linear(s, wd), gate_f32 * 2
+
+    gm = _graph(fn, (1, 64), *MLP_SHAPES, keep=(torch.ops.aten.silu.default,))
+    assert _targets(gm)[torch.ops.aten.silu.default] == 1
+    assert RmsNormGemvPass()(gm.graph) == 1
+    assert SiluMulEpiloguePass()(gm.graph) == 0
+    assert _targets(gm)[ops.rms_norm_gemv_silu_mul.default] == 0
+    # without the second user the same graph folds
+    gm = _graph(
+        lambda x, nw, wgu, wd: fn(x, nw, wgu, wd)[0],
+        (1, 64),
+        *MLP_SHAPES,
+        keep=(torch.ops.aten.silu.default,),
+    )
+    RmsNormGemvPass()(gm.graph)
+    assert SiluMulEpiloguePass()(gm.graph) == 1
+
+
 @pytest.mark.parametrize(
-    "fn, shapes",
+    "fn, shapes, norms",
     [
         # the gate_up product has a second user: the halves must be stored anyway
         (
@@ -171,6 +199,7 @@ def test_without_the_epilogue_pass_silu_mul_gemv_takes_the_chain():
                 gu,
             ),
             [(1, 64), *MLP_SHAPES],
+            1,
         ),
         # SiLU of the second half times the first
         (
@@ -178,6 +207,7 @@ def test_without_the_epilogue_pass_silu_mul_gemv_takes_the_chain():
                 _silu_mul(_norm_linear(x, nw, wgu).flip(-1)), wd
             ),
             [(1, 64), *MLP_SHAPES],
+            1,
         ),
         (
             lambda x, nw, wgu, wd: torch.nn.functional.linear(
@@ -186,6 +216,31 @@ def test_without_the_epilogue_pass_silu_mul_gemv_takes_the_chain():
                 wd,
             ),
             [(1, 64), *MLP_SHAPES],
+            1,
+        ),
+        # the same with the residual add: the two-output op keeps its halves too
+        (
+            lambda a, b, nw, wgu, wd: (
+                torch.nn.functional.linear(_silu_mul(gu := _norm_linear(a + b, nw, wgu)), wd),
+                gu,
+            ),
+            [(1, 64), (1, 64), *MLP_SHAPES],
+            1,
+        ),
+        # the gate in fp32 has another user (the matcher's exp form refuses it)
+        (
+            lambda x, nw, wgu, wd: (
+                torch.nn.functional.linear(
+                    torch.nn.functional.silu(
+                        gf := (gu := _norm_linear(x, nw, wgu).chunk(2, dim=-1))[0].float()
+                    ).to(BF16)
+                    * gu[1],
+                    wd,
+                ),
+                gf * 2,
+            ),
+            [(1, 64), *MLP_SHAPES],
+            1,
         ),
         # gate_up without a norm before it: no prologue GEMV to carry the epilogue
         (
@@ -193,14 +248,17 @@ def test_without_the_epilogue_pass_silu_mul_gemv_takes_the_chain():
                 _silu_mul(torch.nn.functional.linear(x * nw, wgu)), wd
             ),
             [(1, 64), *MLP_SHAPES],
+            0,
         ),
     ],
 )
-def test_other_mlps_keep_their_silu_mul(fn, shapes):
+def test_other_mlps_keep_their_silu_mul(fn, shapes, norms):
     gm = _graph(fn, *shapes)
     assert SiluMulEpiloguePass()(gm.graph) == 0  # nothing to fold before the norm pass
-    RmsNormGemvPass()(gm.graph)
+    assert RmsNormGemvPass()(gm.graph) == norms  # gate_up's norm folds where there is one
+    before = _targets(gm)
     assert SiluMulEpiloguePass()(gm.graph) == 0
+    assert _targets(gm) == before
     targets = _targets(gm)
     assert targets[ops.rms_norm_gemv_silu_mul.default] == 0
 

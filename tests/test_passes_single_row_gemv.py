@@ -63,6 +63,11 @@ def test_one_row_linear_becomes_gemv():
         dict(
             x_shape=(1, 64), w_shape=(64, 96), fn=lambda x, w: torch.nn.functional.linear(x, w.t())
         ),
+        # a weight computed in the graph: with PDL the GEMV reads it before the kernel that
+        # writes it has finished
+        dict(
+            x_shape=(1, 64), w_shape=(96, 64), fn=lambda x, w: torch.nn.functional.linear(x, w * 2)
+        ),
     ],
 )
 def test_other_matmuls_stay(kwargs):

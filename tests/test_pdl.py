@@ -16,10 +16,15 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from graphattn.envs import triton_interpret
+from graphattn.kernels import gemv as gemv_module
 from graphattn.kernels import pdl
-from graphattn.kernels.gemv import gemv
-from graphattn.kernels.prologue_gemv import rms_norm_gemv
+from graphattn.kernels import prologue_gemv as prologue_module
+from graphattn.kernels.gemv import GemvConfig, gemv
+from graphattn.kernels.prologue_gemv import rms_norm_gemv, silu_mul_gemv
 
 
 @pytest.fixture
@@ -33,6 +38,77 @@ def test_pdl_is_off_on_the_cpu(fresh_pdl):
     fresh_pdl.setenv("GRAPHATTN_PDL", "1")
     assert not pdl.use_pdl(torch.device("cpu"))
     assert pdl.launch_options(torch.device("cpu")) == {}
+
+
+@pytest.fixture
+def pdl_path_on_the_cpu(monkeypatch):
+    """The kernels' PDL code (the first tile peeled off the loop) under the interpreter: the
+    launchers pass PDL=True, the launch option is dropped and ``gdc_*`` do nothing (the
+    interpreter runs one program at a time, so there is nothing to wait for)."""
+    if not triton_interpret():
+        pytest.skip("needs TRITON_INTERPRET=1 (the CPU suite's setting)")
+    monkeypatch.setattr(tl.extra.cuda, "gdc_wait", _nothing)
+    monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", _nothing)
+    return monkeypatch
+
+
+@triton.jit
+def _nothing():
+    pass
+
+
+def _with_pdl(patch, fn):
+    for module in (gemv_module, prologue_module):
+        patch.setattr(module, "launch_options", lambda device: {"launch_pdl": True})
+    try:
+        return fn()
+    finally:
+        for module in (gemv_module, prologue_module):
+            patch.setattr(module, "launch_options", pdl.launch_options)
+
+
+GEMV_CASES = [  # (M, N, K, config): uneven K, K under one tile, split K, several rows, dot
+    (1, 50, 200, None),
+    (1, 33, 1030, None),
+    (1, 40, 8, None),
+    (3, 40, 1030, None),
+    (1, 64, 1000, GemvConfig(8, 128, 2, 2, 3, False)),  # a split past K: k_lo >= K
+    (5, 32, 300, GemvConfig(16, 64, 4, 2, 2, True)),
+]
+
+
+@pytest.mark.parametrize("m, n, k, config", GEMV_CASES)
+def test_gemv_pdl_path_computes_what_the_normal_path_does(pdl_path_on_the_cpu, m, n, k, config):
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    want = gemv(x, w, config=config)
+    got = _with_pdl(pdl_path_on_the_cpu, lambda: gemv(x, w, config=config))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("k", [8, 200, 1024, 1030])
+def test_prologue_pdl_path_computes_what_the_normal_path_does(pdl_path_on_the_cpu, k):
+    gen = torch.Generator().manual_seed(k)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.float16)
+
+    x, residual, weight, norm_w = randn(1, k), randn(1, k), randn(66, k), randn(k)
+    gate_up = randn(1, 2 * k)
+
+    def calls():
+        return [
+            *rms_norm_gemv(x, weight, norm_w, 1e-5, residual),
+            rms_norm_gemv(x, weight, norm_w, 1e-5)[0],
+            *rms_norm_gemv(x, weight, norm_w, 1e-5, residual, epilogue="silu_mul"),
+            silu_mul_gemv(gate_up, weight),
+        ]
+
+    want = calls()
+    got = _with_pdl(pdl_path_on_the_cpu, calls)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 def compile_gemvs_for_hopper() -> list[dict]:

@@ -120,6 +120,19 @@ def test_silu_mul_epilogue_matches_the_unfused_ops(n, k, dtype, with_residual):
     assert _silu_mul_err(swapped, normed, weight, UNIT[dtype]) > 1
 
 
+@pytest.mark.parametrize("n, k", [(2, 8), (194, 200), (260, 520), (194, 1024)])
+def test_silu_mul_epilogue_rounds_as_the_graph(n, k):
+    """fp16 (the interpreter rounds fp32 -> fp16 to nearest; it truncates to bf16): the
+    epilogue equals SiLU-and-multiply rounded as the graph rounds it (gate and up stored,
+    SiLU in fp32 then stored, the product stored) over the plain kernel's gate and up, bit
+    for bit; a kernel that skipped one of those roundings would differ."""
+    dtype = torch.float16
+    x, weight, norm_weight, residual = _norm_inputs(n, k, dtype, seed=3)
+    s, _ = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, epilogue="silu_mul")
+    gate, up = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual)[0].chunk(2, dim=-1)
+    assert torch.equal(s, torch.nn.functional.silu(gate.float()).to(dtype) * up)
+
+
 @pytest.mark.parametrize(
     "call, error, message",
     [

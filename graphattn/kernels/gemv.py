@@ -106,6 +106,10 @@ def gemv(
 
     Any K works (tiles past K are masked); rows of 16-byte-aligned length read fastest.
     ``config`` None: ``choose_gemv_config`` for the shape and the device's SM count.
+
+    With PDL (``pdl.py``) each program reads its first ``weight`` tile before waiting for
+    the kernel launched before it, so ``weight`` must not be an output of that kernel (a
+    parameter never is; ``GRAPHATTN_PDL=0`` for anything else).
     """
     _check(x, weight, out)
     m, k = x.shape

@@ -30,7 +30,8 @@ norm differs from the unfused one by at most that rounding of each element: one 
 ``|n| @ |w.T|`` (tests/test_prologue_gemv.py holds both folds to three units with the
 output's own rounding). Weight tiles are streamed as in ``gemv.py`` (``block_n`` rows per
 program, K in ``block_k`` tiles, fp32 products summed once after the loop), and launched
-with programmatic dependent launch on Hopper and later (``pdl.py``).
+with programmatic dependent launch on Hopper and later (``pdl.py``): as in ``gemv``, the
+weight must not be an output of the kernel launched just before (a parameter never is).
 """
 
 from __future__ import annotations
@@ -233,11 +234,17 @@ def _prologue_gemv_kernel(
         scale = tl.rsqrt(tl.sum(sq, 0) / K + eps)
         res = res * scale
         up = up * scale
-    if GLU:  # rounded as the graph rounds: gate and up stored, SiLU in fp32, then the product
-        gate = res.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        res = silu * up.to(dtype).to(tl.float32)
+    if GLU:  # gate and up are rounded to dtype first, as the graph stores them
+        res = _silu_mul(res.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
     tl.store(out_ptr + rows, res.to(dtype), mask=rows < N)
+
+
+@triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` in fp32 from fp32 values of dtype, rounded as the graph rounds it:
+    SiLU in fp32 then to dtype, the product in dtype."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -259,8 +266,7 @@ def _prologue(
     else:  # SILU_MUL
         gate = _load(x_ptr + offs, ok, EVEN_K).to(tl.float32)
         up = _load(x_ptr + K + offs, ok, EVEN_K).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        a = (silu * up).to(dtype).to(tl.float32)
+        a = _silu_mul(gate, up, dtype)
         a_sq = tl.zeros_like(a)
     return a, a_sq
 
