@@ -22,6 +22,7 @@ from graphattn.capture.mode import CUDAGraphMode
 from graphattn.capture.resolve import FallbackRecord, resolve_for_engine
 from graphattn.config import CompileConfig, parse_dtype
 from graphattn.errors import ConfigError, CUDAGraphModeError, FallbackWarning, InvalidInputError
+from graphattn.kernels import pdl
 from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
 from graphattn.runner import ModelRunner
@@ -312,6 +313,7 @@ class CompiledModel:
             kv_cache=kv,
             compile=dataclasses.asdict(self.compiled.info) if self.compiled else {},
             capture=self.capture_info,
+            kernels={"pdl": pdl.describe(self.device)},
             startup_seconds=seconds,
         )
 

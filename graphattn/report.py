@@ -47,6 +47,7 @@ class Report:
     kv_cache: dict[str, Any] = field(default_factory=dict)
     compile: dict[str, Any] = field(default_factory=dict)
     capture: dict[str, Any] = field(default_factory=dict)
+    kernels: dict[str, Any] = field(default_factory=dict)  # how graphattn's kernels launch
     startup_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,6 +101,7 @@ class Report:
             ("kv cache", self.kv_cache),
             ("compile", self.compile),
             ("capture", self.capture),
+            ("kernels", self.kernels),
         ):
             if section:
                 lines.append(f"{title}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in section.items()))

@@ -141,6 +141,8 @@ def test_report_names_backend_per_layer_and_prints():
     assert engine.report.groups[0].cudagraph_support == "NEVER"
     d = engine.report.to_dict()
     assert d["fallbacks"] == [] and d["kv_cache"]["num_blocks"] == 16
+    assert d["kernels"] == {"pdl": "off: cpu is not a CUDA device"}  # and why
+    assert "kernels: pdl=off: cpu is not a CUDA device" in text
 
 
 def test_graph_modes_fall_back_to_none_without_cuda_and_say_why():

@@ -38,6 +38,32 @@ def test_pdl_is_off_on_the_cpu(fresh_pdl):
     fresh_pdl.setenv("GRAPHATTN_PDL", "1")
     assert not pdl.use_pdl(torch.device("cpu"))
     assert pdl.launch_options(torch.device("cpu")) == {}
+    assert pdl.describe(torch.device("cpu")) == "off: cpu is not a CUDA device"
+
+
+@pytest.mark.parametrize(
+    "capability, env, interpret, expected",
+    [
+        ((9, 0), "1", "0", "on (compute capability 9.0)"),
+        ((10, 0), None, "0", "on (compute capability 10.0)"),
+        ((8, 0), "1", "0", "off: needs compute capability 9.0 or later, the device has 8.0"),
+        ((9, 0), "0", "0", "off: GRAPHATTN_PDL='0'"),
+        ((9, 0), "1", "1", "off: the Triton interpreter runs the kernels (TRITON_INTERPRET)"),
+    ],
+)
+def test_pdl_decision_and_its_reason(fresh_pdl, capability, env, interpret, expected):
+    """Every branch of the decision, with the CUDA capability faked (no GPU needed)."""
+    fresh_pdl.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    fresh_pdl.setattr(torch.version, "hip", None)
+    if env is None:
+        fresh_pdl.delenv("GRAPHATTN_PDL", raising=False)
+    else:
+        fresh_pdl.setenv("GRAPHATTN_PDL", env)
+    fresh_pdl.setenv("TRITON_INTERPRET", interpret)
+    cuda = torch.device("cuda", 0)
+    assert pdl.describe(cuda) == expected
+    assert pdl.use_pdl(cuda) == expected.startswith("on")
+    assert pdl.launch_options(cuda) == ({"launch_pdl": True} if expected.startswith("on") else {})
 
 
 @pytest.fixture

@@ -40,13 +40,33 @@ ENV = "GRAPHATTN_PDL"  # "0" turns PDL off (kernels import only torch and triton
 def use_pdl(device: torch.device) -> bool:
     """Whether launches on ``device`` use PDL (``GRAPHATTN_PDL`` is read once per device and
     process; ``use_pdl.cache_clear()`` reads it again)."""
-    if device.type != "cuda" or torch.version.hip:
-        return False
+    return _why_not(device) is None
+
+
+def describe(device: torch.device) -> str:
+    """Whether launches on ``device`` use PDL, and why not where they do not (the engine
+    report's ``kernels.pdl``)."""
+    if use_pdl(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"on (compute capability {major}.{minor})"
+    return "off: " + (_why_not(device) or f"{ENV} was off when first read")
+
+
+def _why_not(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"{device.type} is not a CUDA device"
+    if torch.version.hip:
+        return "ROCm has no griddepcontrol"
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
+        return "the Triton interpreter runs the kernels (TRITON_INTERPRET)"
     if os.environ.get(ENV, "1") in ("", "0"):
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= MIN_CAPABILITY
+        return f"{ENV}={os.environ.get(ENV)!r}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < MIN_CAPABILITY:
+        return (
+            f"needs compute capability {MIN_CAPABILITY}.0 or later, the device has {major}.{minor}"
+        )
+    return None
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:
