@@ -10,7 +10,8 @@ lets it start when it finishes, as a normal launch would.
 
 The kernels that use it, and how:
 - the GEMVs (``gemv.py``, ``prologue_gemv.py``): before the wait a program loads only its
-  first weight tile (no kernel in a step writes weights, so the tile cannot be stale);
+  first weight tile (no kernel in a step writes weights, so the tile cannot be stale; the
+  GEMV passes rewrite only linears whose weight is a parameter);
 - attention and the split-KV reduction (``unified_attention.py``, ``split_kv.py``): every
   read comes after the wait;
 - in all of them every read of activations, metadata or the cache, and every store, comes
