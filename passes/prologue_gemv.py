@@ -202,13 +202,9 @@ def _fold_rms_norm(graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) ->
             call = graph.call_function(
                 torch.ops.graphattn.add_rms_norm_gemv.default, (a, b, weight, norm_weight, eps)
             )
-        with graph.inserting_after(call):
-            out = graph.call_function(operator.getitem, (call, 0))
-        with graph.inserting_after(out):
-            total = graph.call_function(operator.getitem, (call, 1))
         vals = (a.meta["val"], b.meta["val"], weight.meta["val"], norm_weight.meta["val"])
         call.meta["val"] = _add_rms_norm_gemv_fake(*vals, eps)
-        out.meta["val"], total.meta["val"] = call.meta["val"]
+        out, total = _outputs(graph, call)
         mm.replace_all_uses_with(out)
         h.replace_all_uses_with(total)
         chain = [mm, *chain, h]
@@ -270,11 +266,7 @@ def _fold_silu_mul_epilogue(graph: fx.Graph, call: fx.Node) -> bool:
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in call.args]
     if two_outputs:
         fused.meta["val"] = _add_rms_norm_gemv_silu_mul_fake(*vals)
-        with graph.inserting_after(fused):
-            out = graph.call_function(operator.getitem, (fused, 0))
-        with graph.inserting_after(out):
-            total = graph.call_function(operator.getitem, (fused, 1))
-        out.meta["val"], total.meta["val"] = fused.meta["val"]
+        out, total = _outputs(graph, fused)
         if 1 in items:
             items[1].replace_all_uses_with(total)
         old = [items[i] for i in sorted(items)]
@@ -453,6 +445,17 @@ def _residual_add(h: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         if t.stride(-1) != 1:
             return None
     return a, b
+
+
+def _outputs(graph: fx.Graph, call: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """``call[0]`` and ``call[1]`` (the product and the residual sum), right after ``call``,
+    with the values of ``call.meta["val"]``."""
+    with graph.inserting_after(call):
+        out = graph.call_function(operator.getitem, (call, 0))
+    with graph.inserting_after(out):
+        total = graph.call_function(operator.getitem, (call, 1))
+    out.meta["val"], total.meta["val"] = call.meta["val"]
+    return out, total
 
 
 def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
