@@ -3,7 +3,7 @@
 # under $OUT. Parts: tests (pytest -m gpu), attention (benchmarks/attention.py),
 # decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py), splits
 # (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
-# pdl (benchmarks/pdl_chain.py), demo. Extra pytest/benchmark arguments come from
+# pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), demo. Extra pytest/benchmark arguments come from
 # GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail
@@ -34,6 +34,8 @@ for part in "$@"; do
              | tee "$OUT/decode-splits.log" | tail -60; rc=${PIPESTATUS[0]} ;;
     gemv) python3 benchmarks/gemv.py --out "$OUT/gemv.json" 2>&1 \
              | tee "$OUT/gemv.log" | tail -60; rc=${PIPESTATUS[0]} ;;
+    tiles) python3 benchmarks/gemv_tiles.py --out "$OUT/gemv_tiles.json" 2>&1 \
+             | tee "$OUT/gemv_tiles.log" | tail -150; rc=${PIPESTATUS[0]} ;;
     pdl) python3 benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" 2>&1 \
              | tee "$OUT/pdl_chain.log" | tail -20; rc=${PIPESTATUS[0]} ;;
     fused) python3 benchmarks/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 \

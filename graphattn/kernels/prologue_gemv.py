@@ -48,7 +48,7 @@ from graphattn.kernels.checks import (
     expect_same_device,
     expect_unit_last_stride,
 )
-from graphattn.kernels.gemv import choose_gemv_config
+from graphattn.kernels.gemv import GemvConfig, choose_gemv_config
 from graphattn.kernels.pdl import launch_options
 
 PROLOGUE_DTYPES = (torch.bfloat16, torch.float16)
@@ -64,10 +64,14 @@ def rms_norm_gemv(
     residual: torch.Tensor | None = None,  # [1, K]
     *,
     epilogue: str | None = None,
+    config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)``; see the module. Without a
     residual the second result is ``x`` itself. ``epilogue="silu_mul"`` takes the product
-    as ``[gate | up]`` (N even) and returns ``silu(gate) * up``, ``[1, N / 2]``, instead."""
+    as ``[gate | up]`` (N even) and returns ``silu(gate) * up``, ``[1, N / 2]``, instead.
+    ``config``: the tiling (its ``block_n``, ``block_k``, ``num_warps`` and ``num_stages``;
+    with the epilogue ``block_n`` counts the rows of both halves); None picks the one-row
+    config for the weight's shape (``choose_prologue_config``)."""
     expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("x", x, weight, weight.shape[1])
     expect_ndim("norm_weight", norm_weight, 1, "[K]")
@@ -82,23 +86,40 @@ def rms_norm_gemv(
     else:
         residual = h = x  # unused by the kernel
     has_residual = residual is not h
-    out = _launch(x, residual, h, norm_weight, weight, float(eps), RMS_NORM, has_residual, glu)
+    out = _launch(
+        x, residual, h, norm_weight, weight, float(eps), RMS_NORM, has_residual, glu, config
+    )  # fmt: skip
     return out, h
 
 
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``(silu(gate) * up) @ weight.T`` for ``gate_up = [gate | up]`` of ``[1, 2K]``."""
+def silu_mul_gemv(
+    gate_up: torch.Tensor, weight: torch.Tensor, *, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T`` for ``gate_up = [gate | up]`` of ``[1, 2K]``;
+    ``config`` as for ``rms_norm_gemv``."""
     expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("gate_up", gate_up, weight, 2 * weight.shape[1])
     expect_same_device({"gate_up": gate_up, "weight": weight})
-    return _launch(gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False, False)
+    return _launch(gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False, False, config)
 
 
-def _launch(x, residual, h, norm_weight, weight, eps, prologue, has_residual, glu) -> torch.Tensor:
+def choose_prologue_config(n: int, k: int) -> GemvConfig:
+    """The tiling of a one-row prologue GEMV over an ``[n, k]`` weight: ``gemv``'s."""
+    return choose_gemv_config(1, n, k, 1)  # the one-row configs do not depend on SMs
+
+
+def _launch(
+    x, residual, h, norm_weight, weight, eps, prologue, has_residual, glu, config
+) -> torch.Tensor:
     rows, k = weight.shape
     n = rows // 2 if glu else rows  # output columns
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    config = choose_gemv_config(1, rows, k, 1)  # the one-row configs do not depend on SMs
+    if config is None:
+        config = choose_prologue_config(rows, k)
+    elif config.split_k != 1 or config.dot:
+        raise ValueError(
+            f"a prologue GEMV runs one K split on the CUDA cores, got config {config.label}"
+        )
     # GLU: a program streams block_n weight rows as before, half from each half of the weight
     block_n = max(1, config.block_n // 2) if glu else config.block_n
     pdl = launch_options(x.device)
