@@ -15,13 +15,13 @@ Weights are fresh random bf16 (1.95 GB, far beyond L2). The chain is captured in
 graph (PDL as the library decides) and timed as the median of CUDA-event timings of
 ``--reps`` replays after warm-up.
 
-The sweep changes one linear's config, keeping the others at the library's choice, so the
-chain's time minus the library chain's (measured again before each linear's sweep) is what
-that config alone would change in a step. Round one: every (block_n, block_k) with
+The sweep changes one linear's config, keeping the others at the base configs (the
+library's choice, or ``--base``), so the chain's time minus the base chain's (measured again
+before each linear's sweep) is what that config alone would change in a step. Round one: every (block_n, block_k) with
 1024 <= block_n * block_k <= 16384 at 4 warps and 3 stages; round two: the round's best three
 with 2 and 8 warps and with 2 and 4 stages. Last, the chain with every linear at its best
-against the library's, alternated ``--final-pairs`` times. Every config's chain output, from
-NaN-poisoned buffers, is compared with the library chain's (the bf16 rounding of a different
+against the base chain, alternated ``--final-pairs`` times. Every config's chain output, from
+NaN-poisoned buffers, is compared with the base chain's (the bf16 rounding of a different
 K order may differ by a few units; a NaN or a large error is a failed config).
 """
 
@@ -49,7 +49,7 @@ from graphattn.kernels.prologue_gemv import choose_prologue_config, rms_norm_gem
 HIDDEN, QKV, MLP = 2048, 3072, 8192
 LINEARS = ("qkv", "o", "gate_up", "down")
 EPS = 1e-5
-BLOCK_N = (1, 2, 4, 8, 16, 32)
+BLOCK_N = (1, 2, 4, 8, 16, 32, 64)
 BLOCK_K = (256, 512, 1024, 2048, 4096)
 TILE_ELEMS = (1024, 16384)  # block_n * block_k bounds of round one
 SMOKE = {"hidden": 64, "qkv": 96, "mlp": 128, "layers": 2}
@@ -115,7 +115,7 @@ def library_config(name: str, shape: tuple[int, int]) -> GemvConfig:
 
 
 def round_one(name: str, shape: tuple[int, int], smoke: bool) -> list[GemvConfig]:
-    n, k = shape
+    k = shape[1]
     if smoke:
         return [GemvConfig(2, 32, 4, 1), GemvConfig(4, 64, 2, 2)]
     configs = []
@@ -129,11 +129,32 @@ def round_one(name: str, shape: tuple[int, int], smoke: bool) -> list[GemvConfig
 
 
 def round_two(best: list[GemvConfig]) -> list[GemvConfig]:
+    """Around round one's best three: every warps x stages of the best two, other warps or
+    stages for the third, and the best's tile reshaped at the same size."""
     out = []
-    for c in best:
-        out += [replace(c, num_warps=w) for w in (2, 8)]
-        out += [replace(c, num_stages=s) for s in (2, 4)]
+    for i, c in enumerate(best):
+        if i < 2:
+            out += [replace(c, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3, 4)]
+        else:
+            out += [replace(c, num_warps=w) for w in (2, 8)]
+            out += [replace(c, num_stages=s) for s in (2, 4)]
+    if best:
+        c = best[0]
+        out += [replace(c, block_n=c.block_n * 2, block_k=c.block_k // 2)]
+        if c.block_n > 1:
+            out += [replace(c, block_n=c.block_n // 2, block_k=c.block_k * 2)]
     return list(dict.fromkeys(c for c in out if c not in best))
+
+
+def parse_configs(text: str) -> dict[str, GemvConfig]:
+    """``qkv=4,1024,4,2;o=...``: block_n, block_k, num_warps, num_stages per linear."""
+    out = {}
+    for item in filter(None, text.split(";")):
+        name, _, values = item.partition("=")
+        if name not in LINEARS:
+            raise SystemExit(f"--base: unknown linear {name!r}, expected one of {LINEARS}")
+        out[name] = GemvConfig(*(int(v) for v in values.split(",")))
+    return out
 
 
 class Timer:
@@ -171,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes; no timings")
     p.add_argument("--reps", type=int, default=30, help="timed replays per chain")
-    p.add_argument("--final-pairs", type=int, default=5, help="library/best alternations")
+    p.add_argument("--final-pairs", type=int, default=5, help="base/best alternations")
     p.add_argument("--linears", default=",".join(LINEARS), help="which linears to sweep")
     p.add_argument("--time-limit", type=float, default=300.0,
                    help="seconds after which no further config is measured")  # fmt: skip
+    p.add_argument("--base", default="",
+                   help="the other linears' configs while one is swept, and the reference of "
+                        "the final comparison (e.g. 'qkv=4,1024,4,2;o=4,2048,8,3'); default: "
+                        "the library's")  # fmt: skip
     p.add_argument("--out", help="JSON path")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,30 +210,32 @@ def main(argv: list[str] | None = None) -> int:
     else:
         chain = Chain(16, HIDDEN, QKV, MLP, device)
     shapes = chain.shapes()
-    library = {name: library_config(name, shapes[name]) for name in LINEARS}
-    reference = chain.run({}).clone()
+    base_configs = parse_configs(a.base)
+    start_configs = {name: library_config(name, shapes[name]) for name in LINEARS}
+    start_configs.update(base_configs)
+    reference = chain.run(base_configs).clone()
     timer = Timer(chain, a.reps, smoke, reference)
     result: dict = {
-        "meta": {**ab_meta(device), "weight_bytes": chain.bytes, "smoke": smoke,
-                 "library": {k: c.label for k, c in library.items()}, "method": __doc__},
+        "meta": {**ab_meta(device), "weight_bytes": chain.bytes, "smoke": smoke, "base": a.base,
+                 "base_configs": {k: c.label for k, c in start_configs.items()}, "method": __doc__},
         "sweeps": {},
     }  # fmt: skip
     best: dict[str, GemvConfig] = {}
     for name in a.linears.split(","):
-        base = timer.measure({})
-        rows = [{"config": library[name].label, "library": True, **base}]
-        print(f"[{time.perf_counter() - start:6.1f}s] {name} {shapes[name]}: library "
-              f"{library[name].label} chain {_us(base['seconds'])}", file=sys.stderr)  # fmt: skip
+        base = timer.measure(base_configs)
+        rows = [{"config": start_configs[name].label, "base": True, **base}]
+        print(f"[{time.perf_counter() - start:6.1f}s] {name} {shapes[name]}: base "
+              f"{start_configs[name].label} chain {_us(base['seconds'])}", file=sys.stderr)  # fmt: skip
         for configs in (round_one(name, shapes[name], smoke), None):
             if configs is None:  # round two from round one's best three
                 timed = sorted((r for r in rows if r.get("seconds")), key=lambda r: r["seconds"])
                 configs = round_two([r["_config"] for r in timed[:3] if "_config" in r])
             for config in configs:
-                if config == library[name] or time.perf_counter() - start > a.time_limit:
+                if config == start_configs[name] or time.perf_counter() - start > a.time_limit:
                     continue
                 row = {"config": config.label, "_config": config}
                 try:
-                    row.update(timer.measure({name: config}))
+                    row.update(timer.measure({**base_configs, name: config}))
                 except Exception as e:  # a config that does not compile or fit is a result
                     row["unavailable"] = f"{type(e).__name__}: {str(e)[:200]}"
                     traceback.print_exc(limit=2)
@@ -216,28 +243,28 @@ def main(argv: list[str] | None = None) -> int:
         usable = [r for r in rows if r.get("seconds") and _sane(r, smoke)]
         if usable:
             top = min(usable, key=lambda r: r["seconds"])
-            best[name] = top.get("_config", library[name])
+            best[name] = top.get("_config", start_configs[name])
         for r in rows:
             r.pop("_config", None)
             if r.get("seconds") and base.get("seconds"):
                 r["delta_us"] = (r["seconds"] - base["seconds"]) * 1e6
         result["sweeps"][name] = {"shape": list(shapes[name]), "rows": rows,
-                                  "best": best.get(name, library[name]).label}  # fmt: skip
+                                  "best": best.get(name, start_configs[name]).label}  # fmt: skip
         print_sweep(name, rows)
         _write(a.out, result, start)
     if not smoke and best:
         pairs = []
         for _ in range(a.final_pairs):
-            pairs.append((timer.measure({}), timer.measure(best)))
+            pairs.append((timer.measure(base_configs), timer.measure(best)))
         lib = [p[0]["seconds"] for p in pairs]
         tuned = [p[1]["seconds"] for p in pairs]
         result["final"] = {
             "best": {k: c.label for k, c in best.items()},
-            "library_us": [s * 1e6 for s in lib],
+            "base_us": [s * 1e6 for s in lib],
             "best_us": [s * 1e6 for s in tuned],
             "best_max_abs_diff": pairs[-1][1]["max_abs_diff"],
         }
-        print(f"final: library {statistics.median(lib) * 1e6:.1f} us, best "
+        print(f"final: base {statistics.median(lib) * 1e6:.1f} us, best "
               f"{statistics.median(tuned) * 1e6:.1f} us per chain "
               f"({', '.join(f'{k} {c.label}' for k, c in best.items())})")  # fmt: skip
     _write(a.out, result, start)
@@ -245,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sane(row: dict, smoke: bool) -> bool:
-    """A config whose output is NaN or far from the library's is not a candidate."""
+    """A config whose output is NaN or far from the base chain's is not a candidate."""
     diff = row.get("max_abs_diff")
     return smoke or (diff is not None and diff == diff and diff < 0.5)
 
@@ -255,9 +282,9 @@ def _us(seconds: float | None) -> str:
 
 
 def print_sweep(name: str, rows: list[dict]) -> None:
-    print(f"{name}: config, chain us, change us, max |diff| against the library chain")
+    print(f"{name}: config, chain us, change us, max |diff| against the base chain")
     for r in sorted(rows, key=lambda r: r.get("seconds") or float("inf")):
-        tag = " (library)" if r.get("library") else ""
+        tag = " (base)" if r.get("base") else ""
         if "unavailable" in r:
             print(f"  {r['config']:28s} {r['unavailable']}")
             continue
