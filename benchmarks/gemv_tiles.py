@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 from benchmarks import attention as ab  # noqa: E402
-from graphattn.kernels.gemv import GemvConfig, gemv  # noqa: E402
+from graphattn.kernels.gemv import GemvConfig, choose_gemv_config, gemv  # noqa: E402
 from graphattn.kernels.prologue_gemv import choose_prologue_config, rms_norm_gemv  # noqa: E402
 
 HIDDEN, QKV, MLP = 2048, 3072, 8192
@@ -111,7 +111,9 @@ class Chain:
 
 def library_config(name: str, shape: tuple[int, int]) -> GemvConfig:
     """The config the library picks for linear ``name`` (all four are one-row GEMVs)."""
-    return choose_prologue_config(*shape)  # gemv's one-row choice: the same function
+    if name in ("qkv", "gate_up"):
+        return choose_prologue_config(*shape, glu=name == "gate_up")
+    return choose_gemv_config(1, *shape, 1)
 
 
 def round_one(name: str, shape: tuple[int, int], smoke: bool) -> list[GemvConfig]:

@@ -17,15 +17,20 @@ import pytest
 import torch
 from helpers import rel_err
 
+from graphattn.kernels.gemv import FMA_ELEMS_PER_THREAD, GemvConfig
 from graphattn.kernels.prologue_gemv import (
+    choose_prologue_config,
     rms_norm_gemv,
     rms_norm_gemv_ref,
     silu_mul_gemv,
 )
 
 UNIT = {torch.float16: 2**-11, torch.bfloat16: 2**-8}
-# (N, K): K below one 512 tile, across one, past one, and whole tiles (no masks in the loop)
+# (N, K): K below one tile, across one, past one, and whole tiles (no masks in the loop); the
+# default tiles are 256 to 1024 wide, test_explicit_tilings also runs narrow ones
 SHAPES = [(1, 8), (97, 200), (130, 520), (97, 1024)]
+# block_n, block_k, warps, stages: several K tiles, one row a program, a program wider than N
+TILINGS = [GemvConfig(4, 64, 4, 2), GemvConfig(1, 128, 2, 3), GemvConfig(32, 32, 4, 1)]
 LLAMA = [(3072, 2048), (16384, 2048)]  # qkv and gate_up after a norm (N, K)
 
 
@@ -129,8 +134,50 @@ def test_silu_mul_epilogue_rounds_as_the_graph(n, k):
     dtype = torch.float16
     x, weight, norm_weight, residual = _norm_inputs(n, k, dtype, seed=3)
     s, _ = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, epilogue="silu_mul")
-    gate, up = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual)[0].chunk(2, dim=-1)
+    # the plain kernel in the epilogue's K tiles: the same sums in the same order
+    same_k_order = choose_prologue_config(n, k, glu=True)
+    plain = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, config=same_k_order)[0]
+    gate, up = plain.chunk(2, dim=-1)
     assert torch.equal(s, torch.nn.functional.silu(gate.float()).to(dtype) * up)
+
+
+@pytest.mark.parametrize("config", TILINGS, ids=lambda c: c.label)
+def test_explicit_tilings(config):
+    """Every tiling is within the reference bound, and the epilogue equals SiLU-and-multiply
+    of the plain kernel's halves under the same tiling (the same K order), bit for bit
+    (fp16: the interpreter truncates to bf16 where torch rounds)."""
+    dtype = torch.float16
+    n, k = 130, 520
+    x, weight, norm_weight, residual = _norm_inputs(n, k, dtype, seed=5)
+    out, h = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, config=config)
+    want, h_want = rms_norm_gemv_ref(x, weight, norm_weight, 1e-5, residual)
+    assert torch.equal(h, h_want)
+    assert rel_err(out, want) < 3 * UNIT[dtype]
+    s, _ = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, epilogue="silu_mul", config=config)
+    gate, up = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, config=config)[0].chunk(2, -1)
+    assert torch.equal(s, torch.nn.functional.silu(gate.float()).to(dtype) * up)
+    gate_up = _randn(1, 2 * k, dtype=dtype, device="cpu", gen=torch.Generator().manual_seed(6))
+    g, u = gate_up.float().chunk(2, dim=-1)
+    prologue = (torch.nn.functional.silu(g).to(dtype) * u.to(dtype)).to(dtype)
+    assert _product_err(silu_mul_gemv(gate_up, weight, config=config), prologue, weight) < (
+        3 * UNIT[dtype]
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 97, 3072, 4096, 4097, 16384, 128256])
+@pytest.mark.parametrize("k", [8, 520, 2048, 8192])
+@pytest.mark.parametrize("glu", [False, True])
+def test_prologue_configs(rows, k, glu):
+    """The measured tilings for the Llama shapes; every config keeps one K tile's products
+    (two accumulators with the epilogue) in registers and tiles no wider than K needs."""
+    config = choose_prologue_config(rows, k, glu=glu)
+    assert config.split_k == 1 and not config.dot
+    assert config.block_k <= max(16, 1 << (k - 1).bit_length())
+    assert config.block_n * config.block_k <= FMA_ELEMS_PER_THREAD * 32 * config.num_warps
+    if (rows, k, glu) == (3072, 2048, False):  # qkv
+        assert config == GemvConfig(8, 1024, 4, 2)
+    if (rows, k, glu) == (16384, 2048, True):  # gate_up with the SiLU-mul epilogue
+        assert config == GemvConfig(32, 256, 4, 2)
 
 
 @pytest.mark.parametrize(
@@ -171,6 +218,18 @@ def test_silu_mul_epilogue_rounds_as_the_graph(n, k):
             lambda x, w, nw, r: rms_norm_gemv(x, w[:0], nw, 1e-5, r),
             ValueError,
             r"weight dim 0 \(N\)",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w, nw, 1e-5, config=GemvConfig(split_k=2)),
+            ValueError,
+            "one K split on the CUDA cores",
+        ),
+        (
+            lambda x, w, nw, r: silu_mul_gemv(
+                x.repeat(1, 2), w, config=GemvConfig(16, 16, dot=True)
+            ),
+            ValueError,
+            "one K split on the CUDA cores",
         ),
     ],
 )

@@ -234,15 +234,19 @@ def choose_gemv_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
 
 
 def _one_row_config(n: int, k: int) -> GemvConfig:
-    """The best single-row configs of the sweep in docs/results/gemv-h200.log (H200): 4
-    weight rows a program up to N = 4096 (qkv, o_proj, down: 5.1, 4.5, 10.3-10.7 us against
-    cuBLAS's 6.1, 6.1, 13.0), 8 rows on 2 warps above (gate_up 17.9 against 18.0, on par
-    within the sweep's run-to-run spread; a 128k-vocabulary head 117.8 against 122.5).
+    """The best single-row configs measured on an H200 inside the batch-1 step's chain of 64
+    GEMVs, with PDL (``benchmarks/gemv_tiles.py``, docs/results/gemv-tiles-h200.log): o_proj
+    (2048x2048) reads a whole 2048-wide row tile at once on 8 warps, down (2048x8192) 1024
+    at a time, each 4 weight rows a program. Above N = 4096 the earlier one-kernel sweep's 8
+    rows on 2 warps (docs/results/gemv-h200.log: gate_up 17.9 us against cuBLAS's 18.0, a
+    128k-vocabulary head 117.8 against 122.5).
     """
-    block_k = max(16, min(512, triton.next_power_of_2(k)))
-    if n <= 4096:
-        return GemvConfig(4, block_k, 4, 3, 1, False)
-    return GemvConfig(8, block_k, 2, 3, 1, False)
+    k_pad = max(16, triton.next_power_of_2(k))
+    if n > 4096:
+        return GemvConfig(8, min(512, k_pad), 2, 3)
+    if k <= 2048:
+        return GemvConfig(4, k_pad, 8, 3)
+    return GemvConfig(4, 1024, 4, 3)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:

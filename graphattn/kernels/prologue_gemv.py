@@ -103,9 +103,20 @@ def silu_mul_gemv(
     return _launch(gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False, False, config)
 
 
-def choose_prologue_config(n: int, k: int) -> GemvConfig:
-    """The tiling of a one-row prologue GEMV over an ``[n, k]`` weight: ``gemv``'s."""
-    return choose_gemv_config(1, n, k, 1)  # the one-row configs do not depend on SMs
+def choose_prologue_config(rows: int, k: int, *, glu: bool = False) -> GemvConfig:
+    """The tiling of a one-row prologue GEMV over a ``[rows, k]`` weight, measured on an H200
+    inside the batch-1 step's GEMV chain (``benchmarks/gemv_tiles.py``,
+    docs/results/gemv-tiles-h200.log). Every program reads the prologue's inputs (x, the
+    residual, the norm weight) for each K tile, so wider programs than ``gemv``'s pay off:
+    the qkv projection (3072x2048) takes 8 rows a program in 1024-wide tiles, the epilogue
+    (16384x2048 gate_up) 32 rows, 16 of each half, in 256-wide tiles; 4 warps, 2 stages.
+    Other shapes take ``gemv``'s one-row config."""
+    k_pad = max(16, triton.next_power_of_2(k))
+    if glu:
+        return GemvConfig(32, min(256, k_pad), 4, 2)
+    if rows <= 4096:
+        return GemvConfig(8, min(1024, k_pad), 4, 2)
+    return choose_gemv_config(1, rows, k, 1)  # the one-row configs do not depend on SMs
 
 
 def _launch(
@@ -115,7 +126,7 @@ def _launch(
     n = rows // 2 if glu else rows  # output columns
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     if config is None:
-        config = choose_prologue_config(rows, k)
+        config = choose_prologue_config(rows, k, glu=glu)
     elif config.split_k != 1 or config.dot:
         raise ValueError(
             f"a prologue GEMV runs one K split on the CUDA cores, got config {config.label}"
