@@ -126,25 +126,21 @@ def _reduce_kernel(
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):  # a padding token no request owns
+        return
     num_heads = tl.num_programs(1)
     splits = tl.arange(0, S_PAD)
     dims = tl.arange(0, D_PAD)
     row = (token.to(tl.int64) * num_heads + head) * num_splits + splits  # [S]
-    # Every load before the padding test, so they take one round trip: a padding token's
-    # rows lie within the scratch (which holds the launch's tokens) and are never used.
-    real = splits < num_splits
-    lse = tl.load(part_lse_ptr + row, mask=real, other=float("-inf"))
-    mask = real[:, None] & (dims < HEAD_SIZE)[None, :]
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
-    if token >= tl.load(query_start_loc_ptr + num_reqs):  # a padding token no request owns
-        return
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    lse = tl.load(part_lse_ptr + row, mask=splits < num_splits, other=float("-inf"))
     has_keys = lse > float("-inf")  # [S]
-    parts = tl.where(has_keys[:, None], parts, 0.0)  # weight 0 must not meet a NaN there
     top = tl.max(lse, 0)
     top = tl.where(top > float("-inf"), top, 0.0)  # no key at all: every weight is 0
     weight = tl.exp2(lse - top)  # [S], 1 for the largest split, 0 for empty ones
+    mask = has_keys[:, None] & (dims < HEAD_SIZE)[None, :]  # never read an empty split
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     total = tl.maximum(tl.sum(weight, 0), 1.0)  # >= 1 when any split has keys; else out = 0
     out = tl.sum(parts * weight[:, None], 0) / total  # [D]
     dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims

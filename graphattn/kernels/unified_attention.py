@@ -66,12 +66,9 @@ def unified_attention(
 
     ``new_kv = (key [T, Hkv, D], value, slot_mapping [T])`` writes the step's keys and values
     into the cache inside this launch (no separate ``write_kv_cache``). Only for batches in
-    which every request has one query token (decodes): each program loads the token's key
-    and value with its other inputs and uses them, from registers, at the token's position
-    (always in a masked tile); the one program whose keys include that position stores them
-    in the cache after its reads. No load waits on a store, so the launch's dependent memory
-    round trips are three: the request's offsets and length, then the query, the new token
-    and the block table, then the key and value tiles.
+    which every request has one query token (decodes): the one program whose keys include a
+    request's last position writes that token's key and value, then reads them back with the
+    rest of its tile.
     """
     _check(query, key_cache, value_cache, output, block_table, query_start_loc, seq_lens, plan)
     if new_kv is not None:
@@ -232,10 +229,10 @@ def _attention_kernel(
     req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + req)  # before the exit test: the three in one round trip
     first = (tile_id - q_start // BLOCK_Q - req) * BLOCK_Q  # the tile's first token in the request
     if first >= q_len:  # no tile here: the request has fewer tiles than its bound
         return
+    seq_len = tl.load(seq_lens_ptr + req)
     context = seq_len - q_len
     rows = tl.arange(0, BLOCK_M)
     token = first + rows // G_PAD  # [M] query token within the request
@@ -259,14 +256,11 @@ def _attention_kernel(
         lo = tl.maximum(first_pos - window + 1, 0)
     if SPLIT:
         lo, hi = _split_range(lo, hi, TILE_N)
-    # Tiles below the first query position are seen by every row: no masks there. With
-    # WRITE_KV the tile holding the new token (at the query position) stays masked: it takes
-    # the token's key and value from registers.
+    # Tiles below the first query position are seen by every row: no masks there.
     if SLIDING:
         mid = lo
     else:
-        seen_by_all = first_pos if WRITE_KV else first_pos + 1
-        full = tl.maximum(tl.minimum(hi, seen_by_all) - lo, 0) // TILE_N
+        full = tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // TILE_N
         mid = lo + full * TILE_N
 
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
@@ -274,32 +268,22 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_ch
-    new_k = tl.zeros([D_PAD], dtype=k_cache_ptr.dtype.element_ty)  # WRITE_KV only
-    new_v = new_k
-    new_pos = seq_len * 0 - 1
+    if WRITE_KV:  # decodes: the request's one new token sits at seq_len - 1
+        _write_new_kv(
+            new_k_ptr, new_v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head,
+            kv_head_off, seq_len - 1, lo, hi, dims, dim_ok, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_cb, stride_cs, BLOCK_SIZE,
+        )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, lo, mid, hi, q_pos,
-        window, score_scale, cap_scale, stride_cb, stride_cs, dims, new_k, new_v, new_pos,
-        HEAD_SIZE, D_PAD, TILE_N, BLOCK_SIZE, False, SLIDING, SOFT_CAP, DOT_PRECISION, False,
+        window, score_scale, cap_scale, stride_cb, stride_cs, dims,
+        HEAD_SIZE, D_PAD, TILE_N, BLOCK_SIZE, False, SLIDING, SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
-    new_slot = new_pos
-    if WRITE_KV:  # decodes: the request's one new token, at position seq_len - 1
-        new_k, new_v, new_slot = _load_new_kv(
-            new_k_ptr, new_v_ptr, slot_ptr, k_cache_ptr, q_start, kv_head, dims, dim_ok,
-            stride_kt, stride_kh, stride_vt, stride_vh,
-        )  # fmt: skip
-        new_pos = tl.where(new_slot >= 0, seq_len - 1, -1)  # -1: no token to write or read
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, mid, hi, hi, q_pos,
-        window, score_scale, cap_scale, stride_cb, stride_cs, dims, new_k, new_v, new_pos,
-        HEAD_SIZE, D_PAD, TILE_N, BLOCK_SIZE, True, SLIDING, SOFT_CAP, DOT_PRECISION, WRITE_KV,
+        window, score_scale, cap_scale, stride_cb, stride_cs, dims,
+        HEAD_SIZE, D_PAD, TILE_N, BLOCK_SIZE, True, SLIDING, SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
-    if WRITE_KV:  # the program whose keys hold the new position stores it, after its reads
-        last = seq_len - 1
-        if (lo <= last) & (last < hi) & (new_slot >= 0):
-            dst = (new_slot // BLOCK_SIZE) * stride_cb + (new_slot % BLOCK_SIZE) * stride_cs
-            tl.store(k_cache_ptr + dst + kv_head_off + dims, new_k, mask=dim_ok)
-            tl.store(v_cache_ptr + dst + kv_head_off + dims, new_v, mask=dim_ok)
 
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -322,19 +306,23 @@ def _attention_kernel(
 
 
 @triton.jit
-def _load_new_kv(
-    new_k_ptr, new_v_ptr, slot_ptr, k_cache_ptr, token, kv_head, dims, dim_ok,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+def _write_new_kv(
+    new_k_ptr, new_v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, token, kv_head, kv_head_off,
+    last, lo, hi, dims, dim_ok, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs,
+    BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
-    """``token``'s key and value for ``kv_head`` in the cache's dtype, and its slot (-1:
-    none). The attention reads them from registers at their position (``_load_kv``) and
-    stores them in the cache after its loop, so no load waits for the store."""
+    """Store ``token``'s key and value for ``kv_head`` at its slot when this program's key
+    range [lo, hi) holds position ``last`` (one program per request and head does), then a
+    barrier so every thread of the program reads them back from the cache.
+    """
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    t = token.to(tl.int64)
-    k = tl.load(new_k_ptr + t * stride_kt + kv_head * stride_kh + dims, mask=dim_ok, other=0.0)
-    v = tl.load(new_v_ptr + t * stride_vt + kv_head * stride_vh + dims, mask=dim_ok, other=0.0)
-    dtype = k_cache_ptr.dtype.element_ty
-    return k.to(dtype), v.to(dtype), slot
+    if (lo <= last) & (last < hi) & (slot >= 0):
+        k = tl.load(new_k_ptr + token.to(tl.int64) * stride_kt + kv_head * stride_kh + dims, dim_ok)
+        v = tl.load(new_v_ptr + token.to(tl.int64) * stride_vt + kv_head * stride_vh + dims, dim_ok)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head_off
+        tl.store(k_cache_ptr + dst + dims, k.to(k_cache_ptr.dtype.element_ty), mask=dim_ok)
+        tl.store(v_cache_ptr + dst + dims, v.to(v_cache_ptr.dtype.element_ty), mask=dim_ok)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -364,16 +352,14 @@ def _split_range(lo, hi, TILE_N: tl.constexpr):
 @triton.jit
 def _attend(
     acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, stop, seen_end, q_pos,
-    window, score_scale, cap_scale, stride_cb, stride_cs, dims, new_k, new_v, new_pos,
+    window, score_scale, cap_scale, stride_cb, stride_cs, dims,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
-    SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
+    SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over keys [start, stop) in tiles; keys at or past ``seen_end`` are masked.
 
     acc: [M, D] fp32, l_i and m_i: [M] fp32 (running sum and max, base 2); q: [M, D].
-    NEW_KV: the key and value at position ``new_pos`` are ``new_k`` and ``new_v`` [D], not
-    the cache's (which this launch writes after its reads).
     """
     offs_n = tl.arange(0, TILE_N)
     for n0 in range(start, stop, TILE_N):
@@ -383,10 +369,6 @@ def _attend(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, n, n_ok, dims, stride_cb, stride_cs,
             HEAD_SIZE, D_PAD, BLOCK_SIZE, MASKED,
         )  # fmt: skip
-        if NEW_KV:
-            is_new = (n == new_pos)[:, None]  # [N, 1]
-            k = tl.where(is_new, new_k[None, :], k)
-            v = tl.where(is_new, new_v[None, :], v)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * score_scale
         if SOFT_CAP:
             s = _tanh(s) * cap_scale
