@@ -107,10 +107,11 @@ def choose_prologue_config(rows: int, k: int, *, glu: bool = False) -> GemvConfi
     """The tiling of a one-row prologue GEMV over a ``[rows, k]`` weight, measured on an H200
     inside the batch-1 step's GEMV chain (``benchmarks/gemv_tiles.py``,
     docs/results/gemv-tiles-h200.log). Every program reads the prologue's inputs (x, the
-    residual, the norm weight) for each K tile, so wider programs than ``gemv``'s pay off:
-    the qkv projection (3072x2048) takes 8 rows a program in 1024-wide tiles, the epilogue
-    (16384x2048 gate_up) 32 rows, 16 of each half, in 256-wide tiles; 4 warps, 2 stages.
-    Other shapes take ``gemv``'s one-row config."""
+    residual, the norm weight; or gate and up) for each K tile, so wider programs than
+    ``gemv``'s pay off. Up to 4096 rows: 8 rows a program in 1024-wide tiles (measured on
+    the qkv projection, 3072x2048); with the SiLU-mul epilogue: 32 rows, 16 of each half,
+    in 256-wide tiles (measured on gate_up, 16384x2048); 4 warps and 2 stages for both.
+    Above 4096 rows without the epilogue, ``gemv``'s one-row config."""
     k_pad = max(16, triton.next_power_of_2(k))
     if glu:
         return GemvConfig(32, min(256, k_pad), 4, 2)
