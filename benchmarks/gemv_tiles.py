@@ -1,7 +1,7 @@
 """Which tiling each of the batch-1 step's linear layers should get: the step's 64 one-row
 GEMV launches, as a FULL step launches them, with one linear's config changed at a time.
 
-    python benchmarks/gemv_tiles.py --out $OUT/gemv_tiles.json      # a GPU (H200: ~3 minutes)
+    python benchmarks/gemv_tiles.py --out $OUT/gemv_tiles.json      # a GPU (H200: about a minute)
     TRITON_INTERPRET=1 python benchmarks/gemv_tiles.py --smoke      # CPU: the plumbing only
 
 The chain is 16 layers of the four launches the rewritten step runs per layer, each reading
@@ -18,11 +18,14 @@ graph (PDL as the library decides) and timed as the median of CUDA-event timings
 The sweep changes one linear's config, keeping the others at the base configs (the
 library's choice, or ``--base``), so the chain's time minus the base chain's (measured again
 before each linear's sweep) is what that config alone would change in a step. Round one: every (block_n, block_k) with
-1024 <= block_n * block_k <= 16384 at 4 warps and 3 stages; round two: the round's best three
-with 2 and 8 warps and with 2 and 4 stages. Last, the chain with every linear at its best
-against the base chain, alternated ``--final-pairs`` times. Every config's chain output, from
-NaN-poisoned buffers, is compared with the base chain's (the bf16 rounding of a different
-K order may differ by a few units; a NaN or a large error is a failed config).
+1024 <= block_n * block_k <= 16384 at 4 warps and 3 stages; round two, around the three best
+so far (the base included): every warps x stages (2, 4, 8 x 2, 3, 4) of the best two, other
+warps or stages for the third, and the best's tile reshaped at the same size; a config is
+measured once. Last, the chain with every linear at its best against the base chain,
+alternated ``--final-pairs`` times, in turn first. Every config's chain output comes from a
+replay that starts with every buffer the chain writes set to NaN, and must stay within
+``SANE_DIFF`` of the base chain's (another K order rounds a few bf16 units differently; a
+missed column or K tile moves it by more); a config that does not is no candidate.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ EPS = 1e-5
 BLOCK_N = (1, 2, 4, 8, 16, 32, 64)
 BLOCK_K = (256, 512, 1024, 2048, 4096)
 TILE_ELEMS = (1024, 16384)  # block_n * block_k bounds of round one
+SANE_DIFF = 0.1  # largest |chain output - base chain output| of a candidate (outputs ~1-2)
 SMOKE = {"hidden": 64, "qkv": 96, "mlp": 128, "layers": 2}
 
 
@@ -94,18 +98,22 @@ class Chain:
         return {name: tuple(getattr(first, name).shape) for name in LINEARS}
 
     def run(self, configs: dict[str, GemvConfig | None]) -> torch.Tensor:
+        """The chain's output; ``self.written`` holds every tensor this run wrote."""
         x, residual = self.x, self.residual
         hidden = x.shape[1]
+        self.written = []
         for layer in self.layers:
             qkv, residual = rms_norm_gemv(
                 x, layer.qkv, layer.norm1, EPS, residual, config=configs.get("qkv")
             )
             o = gemv(qkv[:, :hidden], layer.o, config=configs.get("o"))
-            s, residual = rms_norm_gemv(
+            s, residual2 = rms_norm_gemv(
                 o, layer.gate_up, layer.norm2, EPS, residual, epilogue="silu_mul",
                 config=configs.get("gate_up"),
             )  # fmt: skip
             x = gemv(s, layer.down, config=configs.get("down"))
+            self.written += [qkv, residual, o, s, residual2, x]
+            residual = residual2
         return x
 
 
@@ -155,7 +163,13 @@ def parse_configs(text: str) -> dict[str, GemvConfig]:
         name, _, values = item.partition("=")
         if name not in LINEARS:
             raise SystemExit(f"--base: unknown linear {name!r}, expected one of {LINEARS}")
-        out[name] = GemvConfig(*(int(v) for v in values.split(",")))
+        fields = values.split(",")
+        if len(fields) != 4 or not all(f.strip().isdigit() for f in fields):
+            raise SystemExit(
+                f"--base: {name} needs four integers block_n,block_k,num_warps,num_stages, "
+                f"got {values!r}"
+            )
+        out[name] = GemvConfig(*(int(f) for f in fields))
     return out
 
 
@@ -177,7 +191,8 @@ class Timer:
         for _ in range(5):
             graph.replay()
         times = [ab._event_seconds(graph.replay) for _ in range(self.reps)]
-        out.fill_(float("nan"))  # the checked replay must write it again
+        for t in self.chain.written:  # the checked replay must write each of them again
+            t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         result = {"seconds": statistics.median(times), "max_abs_diff": self._diff(out)}
@@ -222,18 +237,25 @@ def main(argv: list[str] | None = None) -> int:
                  "base_configs": {k: c.label for k, c in start_configs.items()}, "method": __doc__},
         "sweeps": {},
     }  # fmt: skip
+    linears = a.linears.split(",")
+    unknown = [n for n in linears if n not in LINEARS]
+    if unknown:
+        raise SystemExit(f"--linears: unknown {unknown}, expected some of {LINEARS}")
     best: dict[str, GemvConfig] = {}
-    for name in a.linears.split(","):
+    for name in linears:
         base = timer.measure(base_configs)
-        rows = [{"config": start_configs[name].label, "base": True, **base}]
+        rows = [{"config": start_configs[name].label, "base": True, **base,
+                 "_config": start_configs[name]}]  # fmt: skip
         print(f"[{time.perf_counter() - start:6.1f}s] {name} {shapes[name]}: base "
               f"{start_configs[name].label} chain {_us(base['seconds'])}", file=sys.stderr)  # fmt: skip
         for configs in (round_one(name, shapes[name], smoke), None):
-            if configs is None:  # round two from round one's best three
-                timed = sorted((r for r in rows if r.get("seconds")), key=lambda r: r["seconds"])
-                configs = round_two([r["_config"] for r in timed[:3] if "_config" in r])
+            if configs is None:  # round two around the best three so far (the base included)
+                sane = [r for r in rows if r.get("seconds") and _sane(r, smoke)]
+                timed = sorted(sane, key=lambda r: r["seconds"])
+                configs = round_two([r["_config"] for r in timed[:3]])
             for config in configs:
-                if config == start_configs[name] or time.perf_counter() - start > a.time_limit:
+                measured = {r["_config"] for r in rows}
+                if config in measured or time.perf_counter() - start > a.time_limit:
                     continue
                 row = {"config": config.label, "_config": config}
                 try:
@@ -255,9 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         print_sweep(name, rows)
         _write(a.out, result, start)
     if not smoke and best:
+        tuned_configs = {**base_configs, **best}  # linears not swept keep their base config
         pairs = []
-        for _ in range(a.final_pairs):
-            pairs.append((timer.measure(base_configs), timer.measure(best)))
+        for i in range(a.final_pairs):  # each side first in turn
+            if i % 2:
+                tuned = timer.measure(tuned_configs)
+                pairs.append((timer.measure(base_configs), tuned))
+            else:
+                pairs.append((timer.measure(base_configs), timer.measure(tuned_configs)))
         lib = [p[0]["seconds"] for p in pairs]
         tuned = [p[1]["seconds"] for p in pairs]
         result["final"] = {
@@ -276,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 def _sane(row: dict, smoke: bool) -> bool:
     """A config whose output is NaN or far from the base chain's is not a candidate."""
     diff = row.get("max_abs_diff")
-    return smoke or (diff is not None and diff == diff and diff < 0.5)
+    return smoke or (diff is not None and diff == diff and diff < SANE_DIFF)
 
 
 def _us(seconds: float | None) -> str:

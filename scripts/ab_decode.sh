@@ -1,31 +1,40 @@
 #!/usr/bin/env bash
 # A/B of the decode step between two trees on the GPU machine: FULL latency from
-# benchmarks/decode.py, each tree installed in turn and run in its own process, alternated.
+# benchmarks/decode.py, each tree installed in turn and run in its own process, alternated
+# (the base first in odd rounds, this tree first in even ones).
 #
-#   here:        git archive REV | (mkdir -p .scratch/ab-base && tar -x -C .scratch/ab-base)
+#   here:        mkdir -p .scratch/ab-base && git archive REV | tar -x -C .scratch/ab-base \
+#                  && git rev-parse REV > .scratch/ab-base/REVISION
 #   GPU machine: scripts/ab_decode.sh .scratch/ab-base [ROUNDS=3] [BATCHES=1,8]
 #                (the device tool: carry .scratch; results under $OUT/ab-{base,this}-N.json)
 #   CPU check:   AB_DECODE_ARGS=--smoke scripts/ab_decode.sh .scratch/ab-base 1 1
 #
 # Prints each run's FULL milliseconds per batch size (AB_DECODE_ARGS: more decode.py
-# arguments). Ends with this tree installed.
+# arguments). This tree is installed again at the end, whatever failed.
 set -uo pipefail
-BASE=$(cd "${1:?usage: scripts/ab_decode.sh BASE_TREE [ROUNDS] [BATCHES]}" 2>/dev/null && pwd) \
-  || { echo "no folder $1"; exit 2; }
+usage="usage: scripts/ab_decode.sh BASE_TREE [ROUNDS] [BATCHES]"
+[ $# -ge 1 ] && [ -n "$1" ] || { echo "$usage" >&2; exit 2; }
+BASE=$(cd "$1" 2>/dev/null && pwd) || { echo "no folder $1; $usage" >&2; exit 2; }
+[ -f "$BASE/pyproject.toml" ] || { echo "no checkout at $BASE (no pyproject.toml)" >&2; exit 2; }
 ROUNDS=${2:-3}
 BATCHES=${3:-1,8}
+THIS=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/graphattn-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GRAPHATTN_CACHE_DIR=${GRAPHATTN_CACHE_DIR:-/tmp/graphattn-cache}
-THIS=$(pwd)
-[ -f "$BASE/pyproject.toml" ] || { echo "no checkout at $BASE"; exit 2; }
+echo "base: $BASE ($(cat "$BASE/REVISION" 2>/dev/null || echo 'revision unknown')); this: $THIS"
+install() {  # $1 = tree
+  (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e .) \
+    >"$OUT/ab-install.log" 2>&1 || { echo "install of $1 failed:" >&2; tail -5 "$OUT/ab-install.log" >&2; return 1; }
+}
 run() {  # $1 = tree, $2 = label, $3 = round
-  (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1) \
-    || { echo "install of $1 failed"; return 1; }
+  install "$1" || return 1
   local json="$OUT/ab-$2-$3.json"
-  python3 "$1/benchmarks/decode.py" --parts latency --modes FULL --baselines "" \
-    --batch-sizes "$BATCHES" --out "$json" ${AB_DECODE_ARGS:-} >/dev/null 2>"$OUT/ab-$2-$3.err" \
-    || { tail -5 "$OUT/ab-$2-$3.err"; return 1; }
+  # The base lies inside this repository: stop git there, or decode.py would record this
+  # tree's commit for it.
+  GIT_CEILING_DIRECTORIES=$(dirname "$1") python3 "$1/benchmarks/decode.py" --parts latency \
+    --modes FULL --baselines "" --batch-sizes "$BATCHES" --out "$json" ${AB_DECODE_ARGS:-} \
+    >/dev/null 2>"$OUT/ab-$2-$3.err" || { tail -5 "$OUT/ab-$2-$3.err" >&2; return 1; }
   python3 - "$json" "$2" "$3" <<'PY'
 import json, sys
 data = json.load(open(sys.argv[1]))
@@ -35,7 +44,11 @@ PY
 }
 status=0
 for r in $(seq 1 "$ROUNDS"); do
-  run "$BASE" base "$r" || status=1
-  run "$THIS" this "$r" || status=1
+  if [ $((r % 2)) = 1 ]; then order="base this"; else order="this base"; fi
+  for side in $order; do
+    if [ "$side" = base ]; then run "$BASE" base "$r" || status=1
+    else run "$THIS" this "$r" || status=1; fi
+  done
 done
+install "$THIS" || status=1
 exit $status

@@ -26,8 +26,8 @@ from graphattn.kernels.prologue_gemv import (
 )
 
 UNIT = {torch.float16: 2**-11, torch.bfloat16: 2**-8}
-# (N, K): K below one tile, across one, past one, and whole tiles (no masks in the loop); the
-# default tiles are 256 to 1024 wide, test_explicit_tilings also runs narrow ones
+# (N, K): K below one tile and one whole tile at the default tilings (1024 wide; the epilogue's
+# 256: across, past and whole tiles); test_explicit_tilings runs several tiles without it
 SHAPES = [(1, 8), (97, 200), (130, 520), (97, 1024)]
 # block_n, block_k, warps, stages: several K tiles, one row a program, a program wider than N
 TILINGS = [GemvConfig(4, 64, 4, 2), GemvConfig(1, 128, 2, 3), GemvConfig(32, 32, 4, 1)]
@@ -142,20 +142,27 @@ def test_silu_mul_epilogue_rounds_as_the_graph(n, k):
 
 
 @pytest.mark.parametrize("config", TILINGS, ids=lambda c: c.label)
-def test_explicit_tilings(config):
+@pytest.mark.parametrize("k", [512, 520])  # whole tiles (no masks in the loop), a partial one
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_explicit_tilings(config, k, with_residual):
     """Every tiling is within the reference bound, and the epilogue equals SiLU-and-multiply
     of the plain kernel's halves under the same tiling (the same K order), bit for bit
     (fp16: the interpreter truncates to bf16 where torch rounds)."""
     dtype = torch.float16
-    n, k = 130, 520
+    n = 130
     x, weight, norm_weight, residual = _norm_inputs(n, k, dtype, seed=5)
+    residual = residual if with_residual else None
     out, h = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, config=config)
     want, h_want = rms_norm_gemv_ref(x, weight, norm_weight, 1e-5, residual)
     assert torch.equal(h, h_want)
     assert rel_err(out, want) < 3 * UNIT[dtype]
-    s, _ = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, epilogue="silu_mul", config=config)
-    gate, up = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, config=config)[0].chunk(2, -1)
-    assert torch.equal(s, torch.nn.functional.silu(gate.float()).to(dtype) * up)
+    if config.block_n >= 2:  # the epilogue takes block_n / 2 rows of each half
+        s, _ = rms_norm_gemv(
+            x, weight, norm_weight, 1e-5, residual, epilogue="silu_mul", config=config
+        )
+        plain = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, config=config)[0]
+        gate, up = plain.chunk(2, -1)
+        assert torch.equal(s, torch.nn.functional.silu(gate.float()).to(dtype) * up)
     gate_up = _randn(1, 2 * k, dtype=dtype, device="cpu", gen=torch.Generator().manual_seed(6))
     g, u = gate_up.float().chunk(2, dim=-1)
     prologue = (torch.nn.functional.silu(g).to(dtype) * u.to(dtype)).to(dtype)
@@ -230,6 +237,13 @@ def test_prologue_configs(rows, k, glu):
             ),
             ValueError,
             "one K split on the CUDA cores",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(
+                x, w, nw, 1e-5, epilogue="silu_mul", config=GemvConfig(1, 32)
+            ),
+            ValueError,
+            "block_n must be at least 2, got config n1 k32",
         ),
     ],
 )

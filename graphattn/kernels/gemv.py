@@ -215,7 +215,7 @@ def choose_gemv_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     widths = (64, 32, 16) if dot else (64, 32, 16, 8, 4)
     block_n = next((w for w in widths if triton.cdiv(n, w) >= target), widths[-1])
     num_warps = 4
-    k_pad = max(16, triton.next_power_of_2(k))
+    k_pad = padded_k(k)
     if dot:
         block_k = DOT_TILE_ELEMS // block_n
     else:  # narrower tiles rather than K tiles under 128 (256-byte bf16 rows) for more rows
@@ -241,12 +241,17 @@ def _one_row_config(n: int, k: int) -> GemvConfig:
     rows on 2 warps (docs/results/gemv-h200.log: gate_up 17.9 us against cuBLAS's 18.0, a
     128k-vocabulary head 117.8 against 122.5).
     """
-    k_pad = max(16, triton.next_power_of_2(k))
+    k_pad = padded_k(k)
     if n > 4096:
         return GemvConfig(8, min(512, k_pad), 2, 3)
     if k <= 2048:
         return GemvConfig(4, k_pad, 8, 3)
     return GemvConfig(4, 1024, 4, 3)
+
+
+def padded_k(k: int) -> int:
+    """K rounded up to a power of two, at least 16: the widest K tile a launch needs."""
+    return max(16, triton.next_power_of_2(k))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:

@@ -48,7 +48,7 @@ from graphattn.kernels.checks import (
     expect_same_device,
     expect_unit_last_stride,
 )
-from graphattn.kernels.gemv import GemvConfig, choose_gemv_config
+from graphattn.kernels.gemv import GemvConfig, choose_gemv_config, padded_k
 from graphattn.kernels.pdl import launch_options
 
 PROLOGUE_DTYPES = (torch.bfloat16, torch.float16)
@@ -70,8 +70,8 @@ def rms_norm_gemv(
     residual the second result is ``x`` itself. ``epilogue="silu_mul"`` takes the product
     as ``[gate | up]`` (N even) and returns ``silu(gate) * up``, ``[1, N / 2]``, instead.
     ``config``: the tiling (its ``block_n``, ``block_k``, ``num_warps`` and ``num_stages``;
-    with the epilogue ``block_n`` counts the rows of both halves); None picks the one-row
-    config for the weight's shape (``choose_prologue_config``)."""
+    with the epilogue ``block_n`` counts the rows of both halves, so it is at least 2); None
+    picks the one-row config for the weight's shape (``choose_prologue_config``)."""
     expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("x", x, weight, weight.shape[1])
     expect_ndim("norm_weight", norm_weight, 1, "[K]")
@@ -96,7 +96,8 @@ def silu_mul_gemv(
     gate_up: torch.Tensor, weight: torch.Tensor, *, config: GemvConfig | None = None
 ) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T`` for ``gate_up = [gate | up]`` of ``[1, 2K]``;
-    ``config`` as for ``rms_norm_gemv``."""
+    ``config`` as for ``rms_norm_gemv`` (None: ``gemv``'s one-row config; this opt-in fold
+    was not part of the tile sweep)."""
     expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("gate_up", gate_up, weight, 2 * weight.shape[1])
     expect_same_device({"gate_up": gate_up, "weight": weight})
@@ -112,7 +113,7 @@ def choose_prologue_config(rows: int, k: int, *, glu: bool = False) -> GemvConfi
     the qkv projection, 3072x2048); with the SiLU-mul epilogue: 32 rows, 16 of each half,
     in 256-wide tiles (measured on gate_up, 16384x2048); 4 warps and 2 stages for both.
     Above 4096 rows without the epilogue, ``gemv``'s one-row config."""
-    k_pad = max(16, triton.next_power_of_2(k))
+    k_pad = padded_k(k)
     if glu:
         return GemvConfig(32, min(256, k_pad), 4, 2)
     if rows <= 4096:
@@ -126,14 +127,21 @@ def _launch(
     rows, k = weight.shape
     n = rows // 2 if glu else rows  # output columns
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    if config is None:
+    if config is None and prologue == SILU_MUL:
+        config = choose_gemv_config(1, rows, k, 1)  # the one-row configs do not depend on SMs
+    elif config is None:
         config = choose_prologue_config(rows, k, glu=glu)
     elif config.split_k != 1 or config.dot:
         raise ValueError(
             f"a prologue GEMV runs one K split on the CUDA cores, got config {config.label}"
         )
+    elif glu and config.block_n < 2:
+        raise ValueError(
+            "epilogue='silu_mul' streams block_n / 2 rows of each half of the weight, so "
+            f"block_n must be at least 2, got config {config.label}"
+        )
     # GLU: a program streams block_n weight rows as before, half from each half of the weight
-    block_n = max(1, config.block_n // 2) if glu else config.block_n
+    block_n = config.block_n // 2 if glu else config.block_n
     pdl = launch_options(x.device)
     _prologue_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
