@@ -90,6 +90,7 @@ class CompileConfig:
         "unfuse_residual_addmm",
         "rms_norm_gemv",
         "silu_mul_epilogue",
+        "rope_epilogue",
         "single_row_gemv",
     )
     cache_dir: str | None = None

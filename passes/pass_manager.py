@@ -65,6 +65,7 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     from graphattn.passes.noop_elimination import NoOpEliminationPass
     from graphattn.passes.prologue_gemv import (
         RmsNormGemvPass,
+        RotaryEpiloguePass,
         SiluMulEpiloguePass,
         SiluMulGemvPass,
     )
@@ -78,6 +79,7 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
             UnfuseResidualAddmmPass,
             RmsNormGemvPass,
             SiluMulEpiloguePass,
+            RotaryEpiloguePass,
             SiluMulGemvPass,
             SingleRowGemvPass,
         )
@@ -103,6 +105,7 @@ PASS_ORDER = (
     # silu_mul_epilogue rewrites the ops rms_norm_gemv makes; where silu_mul_gemv is on
     # too, the epilogue takes the SiLU-and-multiply first
     ("rms_norm_gemv", "silu_mul_epilogue"),
+    ("rms_norm_gemv", "rope_epilogue"),
     ("silu_mul_epilogue", "silu_mul_gemv"),
 )
 
@@ -123,5 +126,6 @@ DEFAULT_PASSES = (
     "unfuse_residual_addmm",
     "rms_norm_gemv",
     "silu_mul_epilogue",
+    "rope_epilogue",
     "single_row_gemv",
 )

@@ -34,6 +34,20 @@ epilogue: ``silu_mul_epilogue`` (a default, after ``rms_norm_gemv``) rewrites a
 ``silu(gate) * up`` over its two halves into ``rms_norm_gemv_silu_mul`` /
 ``add_rms_norm_gemv_silu_mul``: each program computes SiLU only for the few outputs it
 owns, and the kernel between gate_up and down goes.
+
+A fourth folds the rotary embedding of the query and key heads into the qkv GEMV the same
+way: ``rope_epilogue`` (a default, after ``rms_norm_gemv``) rewrites a ``rms_norm_gemv`` /
+``add_rms_norm_gemv`` whose product is sliced into ``[q | k]`` and ``v``, with ``[q | k]``
+rotated in the rotate-half form::
+
+    x1, x2 = split(convert(view(slice(product, 0, R), [1, -1, D]), f32), D / 2, -1)
+    cos_ = convert(unsqueeze(cos, 1), f32)        (each step optional; sin_ alike)
+    y = view(convert(cat([x1 * cos_ - x2 * sin_, x2 * cos_ + x1 * sin_], -1), dtype), [1, R])
+
+(products in either order), into ``rms_norm_gemv_rope`` / ``add_rms_norm_gemv_rope``
+whose output is the product with its first R columns rotated: ``y`` becomes its slice, the
+other slices read it as they read the product. The rotary kernel between qkv and attention
+goes.
 """
 
 from __future__ import annotations
@@ -134,6 +148,57 @@ def _add_rms_norm_gemv_silu_mul_fake(x, residual, weight, norm_weight, eps):
     return x.new_empty((1, weight.shape[0] // 2)), torch.empty_like(x)
 
 
+@torch.library.custom_op("graphattn::rms_norm_gemv_rope", mutates_args=())
+def rms_norm_gemv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_size: int,
+    rotated: int,
+) -> torch.Tensor:
+    """``rms_norm(x) @ weight.T`` for one row, its first ``rotated`` columns rotated by
+    ``(cos, sin)`` in heads of ``head_size``."""
+    from graphattn.kernels.prologue_gemv import Rotary
+    from graphattn.kernels.prologue_gemv import rms_norm_gemv as launch
+
+    rotary = Rotary(cos, sin, head_size, rotated)
+    return launch(x, weight, norm_weight, eps, epilogue="rope", rotary=rotary)[0]
+
+
+@rms_norm_gemv_rope.register_fake
+def _rms_norm_gemv_rope_fake(x, weight, norm_weight, eps, cos, sin, head_size, rotated):
+    return x.new_empty((1, weight.shape[0]))
+
+
+@torch.library.custom_op("graphattn::add_rms_norm_gemv_rope", mutates_args=())
+def add_rms_norm_gemv_rope(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_size: int,
+    rotated: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) @ weight.T`` with its first ``rotated`` columns rotated,
+    ``x + residual)`` for one row."""
+    from graphattn.kernels.prologue_gemv import Rotary
+    from graphattn.kernels.prologue_gemv import rms_norm_gemv as launch
+
+    rotary = Rotary(cos, sin, head_size, rotated)
+    return launch(x, weight, norm_weight, eps, residual, epilogue="rope", rotary=rotary)
+
+
+@add_rms_norm_gemv_rope.register_fake
+def _add_rms_norm_gemv_rope_fake(x, residual, weight, norm_weight, eps, cos, sin, d, rotated):
+    return x.new_empty((1, weight.shape[0])), torch.empty_like(x)
+
+
 class _PrologueFold(GraphPass):
     """Folds, where it matches, the op before each one-row ``mm`` into a prologue GEMV."""
 
@@ -184,6 +249,24 @@ class SiluMulEpiloguePass(GraphPass):
             if node.op != "call_function" or node.target not in _EPILOGUE_OPS:
                 continue
             changed += _fold_silu_mul_epilogue(graph, node)
+        return changed
+
+
+class RotaryEpiloguePass(GraphPass):
+    """Rewrites a one-row ``rms_norm_gemv`` / ``add_rms_norm_gemv`` whose product's leading
+    columns only feed a rotate-half rotary embedding into ``rms_norm_gemv_rope`` /
+    ``add_rms_norm_gemv_rope`` (a default pass; runs after ``rms_norm_gemv``)."""
+
+    name: ClassVar[str] = "rope_epilogue"
+
+    def uuid(self) -> str:
+        return module_uuid(self.name, __name__, single_row_gemv.__name__)
+
+    def __call__(self, graph: fx.Graph) -> int:
+        changed = 0
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target in _ROPE_OPS:
+                changed += _fold_rope_epilogue(graph, node)
         return changed
 
 
@@ -278,6 +361,192 @@ def _fold_silu_mul_epilogue(graph: fx.Graph, call: fx.Node) -> bool:
     if two_outputs and not total.users:
         graph.erase_node(total)
     return True
+
+
+_ROPE_OPS = {
+    torch.ops.graphattn.rms_norm_gemv.default: torch.ops.graphattn.rms_norm_gemv_rope.default,
+    torch.ops.graphattn.add_rms_norm_gemv.default: torch.ops.graphattn.add_rms_norm_gemv_rope.default,
+}
+
+
+def _fold_rope_epilogue(graph: fx.Graph, call: fx.Node) -> bool:
+    """Fold the rotary embedding of ``call``'s leading columns into ``call``; True if done."""
+    two_outputs = call.target is torch.ops.graphattn.add_rms_norm_gemv.default
+    if two_outputs:  # the product is getitem 0, the residual sum h getitem 1
+        items = {user.args[1]: user for user in call.users if user.target is operator.getitem}
+        product = items.get(0)
+        if product is None or len(items) != len(call.users):
+            return False
+    else:
+        product = call
+    match = _rotary_of(product)
+    if match is None:
+        return False
+    rotated_view, cos, sin, head_size, rotated, chain = match
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    if max(order[cos], order[sin]) > order[call]:
+        return False  # the tables come later: the fused call could not take call's place
+    with graph.inserting_after(call):
+        fused = graph.call_function(
+            _ROPE_OPS[call.target], (*call.args, cos, sin, head_size, rotated)
+        )
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in fused.args]
+    if two_outputs:
+        fused.meta["val"] = _add_rms_norm_gemv_rope_fake(*vals)
+        out, total = _outputs(graph, fused)
+        if 1 in items:
+            items[1].replace_all_uses_with(total)
+        old = [items[i] for i in sorted(items)]
+    else:
+        fused.meta["val"] = _rms_norm_gemv_rope_fake(*vals)
+        out, old = fused, []
+    with graph.inserting_after(out):
+        head = graph.call_function(aten.slice.Tensor, (out, 1, 0, rotated))
+    head.meta["val"] = aten.slice.Tensor(out.meta["val"], 1, 0, rotated)
+    rotated_view.replace_all_uses_with(head)
+    product.replace_all_uses_with(out)  # the slices of the columns that do not rotate
+    _erase_unused(graph, [*chain, *old, call])
+    if two_outputs and not total.users:
+        graph.erase_node(total)
+    return True
+
+
+def _rotary_of(product: fx.Node):
+    """``(y, cos, sin, head_size, rotated, chain)`` when the product's users are column
+    slices, one of them ``[:, :rotated]`` rotated as in the module (its result ``y``) and the
+    others past ``rotated``, and every node of the rotary lives only for it; else None."""
+    val = product.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or val.shape[0] != 1:
+        return None
+    slices = list(product.users)
+    if not all(_is_column_slice(s) for s in slices):
+        return None
+    head = [s for s in slices if s.args[2] == 0]
+    if len(head) != 1 or len(head[0].users) != 1:
+        return None
+    rotated = head[0].args[3]
+    n = val.shape[1]
+    if not (isinstance(rotated, int) and 0 < rotated <= n):
+        return None
+    if any(s.args[2] < rotated for s in slices if s is not head[0]):
+        return None  # another user reads columns that would come back rotated
+    (view,) = head[0].users
+    cast = next(iter(view.users)) if _is_view(view) else None
+    if not (_is(cast, prims.convert_element_type.default) and cast.args[1] == torch.float32):
+        return None
+    halves = next(iter(cast.users))
+    d = view.meta["val"].shape[-1]
+    if not (view.meta["val"].dim() == 3 and d % 2 == 0 and rotated % d == 0 and n % d == 0):
+        return None
+    if not (
+        _is(halves, aten.split.Tensor, users=2) and halves.args[1:] in ((d // 2, -1), (d // 2, 2))
+    ):
+        return None
+    items = {u.args[1]: u for u in halves.users if u.target is operator.getitem}
+    x1, x2 = items.get(0), items.get(1)
+    if x1 is None or x2 is None or len(x1.users) != 2 or len(x2.users) != 2:
+        return None
+    terms = _rotation_terms(x1, x2)
+    if terms is None:
+        return None
+    y, cos_f, sin_f, rotation = terms
+    cos, sin = _rope_table(cos_f, d), _rope_table(sin_f, d)
+    if cos is None or sin is None or y.meta["val"].shape != (1, rotated):
+        return None
+    if y.meta["val"].dtype != val.dtype:
+        return None
+    steps = [*_table_steps(cos_f, cos), *_table_steps(sin_f, sin)]
+    chain = [y, *rotation, x1, x2, halves, cast, view, head[0], *steps]
+    return y, cos, sin, d, rotated, chain
+
+
+def _is_view(node: object, users: int | None = 1) -> bool:
+    return _is(node, aten.reshape.default, users) or _is(node, aten.view.default, users)
+
+
+def _is_column_slice(node: fx.Node) -> bool:
+    """``slice(t, 1, start, end)`` with step 1 and a non-negative int start."""
+    if not _is(node, aten.slice.Tensor, users=None) or len(node.args) < 4:
+        return False
+    dim, start = node.args[1], node.args[2]
+    step = node.args[4] if len(node.args) > 4 else 1
+    return dim in (1, -1) and isinstance(start, int) and start >= 0 and step == 1
+
+
+def _rotation_terms(x1: fx.Node, x2: fx.Node):
+    """``(y, cos_, sin_, nodes)`` when the four users of x1 and x2 are
+    ``x1 * cos_, x2 * sin_, x2 * cos_, x1 * sin_`` combined as
+    ``y = view(convert(cat([x1 cos_ - x2 sin_, x2 cos_ + x1 sin_], -1)))``; else None."""
+    muls = [u for x in (x1, x2) for u in x.users]
+    if not all(_is(m, aten.mul.Tensor) for m in muls):  # one user each
+        return None
+    subs = [u for m in x1.users for u in m.users if _is(u, aten.sub.Tensor)]
+    if len(subs) != 1 or subs[0].kwargs.get("alpha", 1) != 1:
+        return None
+    sub = subs[0]
+    first, second = sub.args[:2]
+    if first not in x1.users or second not in x2.users:
+        return None
+    cos_ = _other(first, x1)
+    sin_ = _other(second, x2)
+    x2_cos = next((m for m in x2.users if m is not second), None)
+    x1_sin = next((m for m in x1.users if m is not first), None)
+    if _other(x2_cos, x2) is not cos_ or _other(x1_sin, x1) is not sin_:
+        return None
+    (add,) = x2_cos.users
+    if not (_is(add, aten.add.Tensor) and set(add.args[:2]) == {x2_cos, x1_sin}):
+        return None
+    if len(x1_sin.users) != 1 or add.kwargs.get("alpha", 1) != 1:
+        return None
+    (cat,) = sub.users if len(sub.users) == 1 else (None,)
+    if not (_is(cat, aten.cat.default) and list(cat.args[0]) == [sub, add]):
+        return None
+    if (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) not in (-1, 2):
+        return None
+    back = next(iter(cat.users))
+    if not _is(back, prims.convert_element_type.default):
+        return None
+    y = next(iter(back.users))
+    if not _is_view(y, users=None) or y.meta["val"].dim() != 2:
+        return None
+    return y, cos_, sin_, [back, cat, add, sub, x1_sin, x2_cos, second, first]
+
+
+def _other(mul: fx.Node | None, x: fx.Node) -> fx.Node | None:
+    """The other operand of ``mul = x * other`` (either order)."""
+    if mul is None:
+        return None
+    a, b = mul.args[:2]
+    return b if a is x else a if b is x else None
+
+
+def _rope_table(node: object, d: int) -> fx.Node | None:
+    """The ``[1, d / 2]`` cos or sin row behind ``convert(unsqueeze(row, 1), f32)`` (either
+    step optional, in either order); else None."""
+    for _ in range(2):
+        to_f32 = _is(node, prims.convert_element_type.default, users=None) and (
+            node.args[1] == torch.float32
+        )
+        if to_f32 or (_is(node, aten.unsqueeze.default, users=None) and node.args[1] == 1):
+            node = node.args[0]
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+        return None
+    if tuple(val.shape) != (1, d // 2) or val.stride(-1) != 1:
+        return None
+    return node
+
+
+def _table_steps(node: fx.Node, table: fx.Node) -> list[fx.Node]:
+    """The unsqueeze / convert steps from ``node`` up to ``table`` (erased once nothing else
+    uses them)."""
+    steps = []
+    while node is not table:
+        steps.append(node)
+        node = node.args[0]
+    return steps
 
 
 def _silu_mul_of(product: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:

@@ -399,6 +399,7 @@ def test_factors_are_written_next_to_the_entry(toy):
         "unfuse_residual_addmm",
         "rms_norm_gemv",
         "silu_mul_epilogue",
+        "rope_epilogue",
         "single_row_gemv",
     ]
 

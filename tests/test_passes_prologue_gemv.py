@@ -20,13 +20,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import graphattn as ga
+from graphattn.errors import ConfigError
 from graphattn.kernels import gemv as gemv_kernels
 from graphattn.kernels import prologue_gemv as prologue_kernels
 from graphattn.models.llama import RMSNorm
 from graphattn.passes import single_row_gemv
-from graphattn.passes.pass_manager import DEFAULT_PASSES
+from graphattn.passes.pass_manager import DEFAULT_PASSES, make_pass_manager
 from graphattn.passes.prologue_gemv import (
     RmsNormGemvPass,
+    RotaryEpiloguePass,
     SiluMulEpiloguePass,
     SiluMulGemvPass,
 )
@@ -34,7 +36,9 @@ from graphattn.passes.prologue_gemv import (
 BF16 = torch.bfloat16
 ops = torch.ops.graphattn
 NO_GEMV = ("noop_elimination", "unfuse_residual_addmm")
-WITH_PROLOGUE = (*NO_GEMV, "rms_norm_gemv", "silu_mul_gemv", "single_row_gemv")  # + opt-in
+# every prologue and epilogue fold but the SiLU-mul epilogue, which takes what the opt-in
+# silu_mul_gemv would
+WITH_PROLOGUE = (*NO_GEMV, "rms_norm_gemv", "rope_epilogue", "silu_mul_gemv", "single_row_gemv")
 
 
 def _graph(fn, *shapes, keep=()):
@@ -301,6 +305,96 @@ def test_other_chains_stay(fn, shapes):
     assert gm.code == before
 
 
+# -- the rotary epilogue -------------------------------------------------------------------
+
+aten = torch.ops.aten
+D, Q, KV = 16, 64, 32  # head size; query and key columns of the [1, 128] qkv product
+QKV_SHAPES = [(1, 64), (1, 64), (64,), (128, 64), (1, D // 2), (1, D // 2)]
+
+
+def _rotate(x, cos, sin, *, flip=False):
+    """graphattn.models.llama.apply_rotary in explicit ATen ops (make_fx's fake CUDA tensors
+    reject its ``[:, None, :]`` indexing); ``flip`` rotates the other way round."""
+    c, s = aten.unsqueeze(cos, 1).float(), aten.unsqueeze(sin, 1).float()
+    x1, x2 = x.view(1, -1, D).float().chunk(2, dim=-1)
+    first = x1 * c + x2 * s if flip else x1 * c - x2 * s
+    return torch.cat([first, x2 * c + x1 * s], dim=-1).to(x.dtype).view(1, -1)
+
+
+def _attention_inputs(a, b, norm_w, w, cos, sin):
+    return _attention_inputs_as(a, b, norm_w, w, cos, sin)
+
+
+def _attention_inputs_as(a, b, norm_w, w, cos, sin, *, flip=False, keep_product=False):
+    h = a + b
+    qkv = torch.nn.functional.linear(_norm(h, norm_w), w)
+    q, k = _rotate(aten.slice(qkv, 1, 0, Q + KV), cos, sin, flip=flip).split([Q, KV], dim=-1)
+    out = (q, k, aten.slice(qkv, 1, Q + KV, 128), h)
+    return (*out, qkv) if keep_product else out
+
+
+def _fold_rope(gm: fx.GraphModule) -> int:
+    changed = RmsNormGemvPass()(gm.graph) + RotaryEpiloguePass()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return changed
+
+
+def test_rotary_folds_into_the_qkv_gemv_as_an_epilogue():
+    gm = _graph(_attention_inputs, *QKV_SHAPES)
+    assert _fold_rope(gm) == 2  # the norm into qkv, then the rotary after it
+    targets = _targets(gm)
+    assert targets[ops.add_rms_norm_gemv_rope.default] == 1
+    assert targets[ops.add_rms_norm_gemv.default] == 0
+    for gone in (aten.cat.default, aten.sub.Tensor, aten.mul.Tensor, aten.split.Tensor):
+        assert targets[gone] == 0, gm.code
+    (fused,) = [n for n in gm.graph.nodes if n.target is ops.add_rms_norm_gemv_rope.default]
+    assert fused.args[-4:][2:] == (D, Q + KV)  # head size, rotated columns
+    assert [a.name for a in fused.args[-4:-2]] == ["cos_1", "sin_1"]
+    (product,) = [u for u in fused.users if u.args[1] == 0]
+    starts = sorted(u.args[2] for u in product.users)
+    assert starts == [0, Q + KV]  # [q | k] and v, both read from the fused output
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    assert output.args[0][3].args == (fused, 1)  # the residual sum
+
+
+def test_rotary_epilogue_without_a_residual():
+    def fn(x, norm_w, w, cos, sin):
+        qkv = torch.nn.functional.linear(_norm(x, norm_w), w)
+        return _rotate(aten.slice(qkv, 1, 0, Q + KV), cos, sin), aten.slice(qkv, 1, Q + KV, 128)
+
+    gm = _graph(fn, *QKV_SHAPES[1:])
+    assert _fold_rope(gm) == 2
+    targets = _targets(gm)
+    assert targets[ops.rms_norm_gemv_rope.default] == 1
+    assert targets[ops.rms_norm_gemv.default] == targets[aten.cat.default] == 0
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"flip": True},  # x1 cos + x2 sin first: not the rotate-half rotary
+        {"keep_product": True},  # the unrotated q and k columns are read as well
+    ],
+)
+def test_other_rotaries_stay(variant):
+    def fn(a, b, norm_w, w, cos, sin):
+        return _attention_inputs_as(a, b, norm_w, w, cos, sin, **variant)
+
+    gm = _graph(fn, *QKV_SHAPES)
+    assert RmsNormGemvPass()(gm.graph) == 1
+    before = gm.graph.python_code("self").src
+    assert RotaryEpiloguePass()(gm.graph) == 0
+    assert gm.graph.python_code("self").src == before
+    assert _targets(gm)[ops.add_rms_norm_gemv_rope.default] == 0
+
+
+def test_rotary_epilogue_runs_after_the_norm_fold():
+    with pytest.raises(ConfigError, match="'rms_norm_gemv' must come before 'rope_epilogue'"):
+        make_pass_manager(["rope_epilogue", "rms_norm_gemv"])
+    assert "rope_epilogue" in DEFAULT_PASSES
+
+
 # -- end to end through Inductor (CPU) -----------------------------------------------------
 
 
@@ -330,7 +424,8 @@ def _count_launches(monkeypatch) -> collections.Counter:
 
 def test_default_passes_fold_the_norms_of_a_compiled_llama_and_match(monkeypatch, tmp_path):
     """The default pass list on a bf16 Llama compiled by Inductor (CPU): one-token steps call
-    the fused norm GEMVs (gate_up's with the SiLU-and-multiply epilogue) and the plain GEMV
+    the fused norm GEMVs (qkv's with the rotary epilogue, gate_up's with the SiLU-and-multiply
+    epilogue) and the plain GEMV
     (the SiLU prologue fold is opt-in), and match an engine without the GEMV passes."""
     monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
     calls = _count_launches(monkeypatch)
@@ -352,12 +447,12 @@ def test_default_passes_fold_the_norms_of_a_compiled_llama_and_match(monkeypatch
     calls.clear()
     step = ga.Batch.from_requests([ga.Request([9], 8, [0])])
     got = fused.step(step)
-    # layer 0: norm(embedding) -> qkv; o; add + norm -> gate_up -> silu * mul; down
-    # layer 1: add + norm -> qkv; o; add + norm -> gate_up -> silu * mul; down; the final
-    # norm stays
+    # layer 0: norm(embedding) -> qkv -> rotary; o; add + norm -> gate_up -> silu * mul; down
+    # layer 1: add + norm -> qkv -> rotary; o; add + norm -> gate_up -> silu * mul; down; the
+    # final norm stays
     assert calls == {
-        "rms_norm_gemv": 1,
-        "rms_norm_gemv + residual": 1,
+        "rms_norm_gemv + rope": 1,
+        "rms_norm_gemv + residual + rope": 1,
         "rms_norm_gemv + residual + silu_mul": 2,
         "gemv": 4,
     }
@@ -367,9 +462,9 @@ def test_default_passes_fold_the_norms_of_a_compiled_llama_and_match(monkeypatch
 
 @pytest.mark.gpu
 def test_engine_on_cuda_folds_and_matches_cublas(monkeypatch, tmp_path):
-    """The prologue pass on a bf16 Llama on the GPU: FULL graphs of one token record the
-    fused ops (counted while the engine captures: a replay runs no Python), and a decode
-    step's output matches an engine without the GEMV passes."""
+    """The prologue passes and the rotary epilogue on a bf16 Llama on the GPU: FULL graphs
+    of one token record the fused ops (counted while the engine captures: a replay runs no
+    Python), and a decode step's output matches an engine without the GEMV passes."""
     calls = _count_launches(monkeypatch)
     model = small_bf16_llama(512, 256, 512, device="cuda", norms_off_one=True)
     common = dict(
@@ -377,7 +472,13 @@ def test_engine_on_cuda_folds_and_matches_cublas(monkeypatch, tmp_path):
         cudagraph_capture_sizes=(1, 2, 4),
     )  # fmt: skip
     fused = ga.compile(model, passes=WITH_PROLOGUE, cache_dir=str(tmp_path / "fused"), **common)
-    assert {"rms_norm_gemv", "rms_norm_gemv + residual", "silu_mul_gemv", "gemv"} <= set(calls)
+    assert {
+        "rms_norm_gemv + rope",  # layer 0's qkv
+        "rms_norm_gemv + residual + rope",  # layer 1's
+        "rms_norm_gemv + residual",  # gate_up
+        "silu_mul_gemv",
+        "gemv",
+    } <= set(calls)
     plain = ga.compile(model, passes=NO_GEMV, cache_dir=str(tmp_path / "plain"), **common)
     prompt = ga.Request(list(range(1, 9)), 0, [0])
     for engine in (fused, plain):

@@ -24,7 +24,7 @@ from graphattn.kernels import gemv as gemv_module
 from graphattn.kernels import pdl
 from graphattn.kernels import prologue_gemv as prologue_module
 from graphattn.kernels.gemv import GemvConfig, gemv
-from graphattn.kernels.prologue_gemv import rms_norm_gemv, silu_mul_gemv
+from graphattn.kernels.prologue_gemv import Rotary, rms_norm_gemv, silu_mul_gemv
 
 
 @pytest.fixture
@@ -150,11 +150,39 @@ def compile_gemvs_for_hopper() -> list[dict]:
     launches = {
         "prologue, norm + silu_mul": (
             prologue_gemv._prologue_gemv_kernel,
-            dict(PROLOGUE=0, HAS_RESIDUAL=True, GLU=True, EVEN_K=False, BLOCK_N=4, BLOCK_K=512),
+            dict(
+                PROLOGUE=0,
+                HAS_RESIDUAL=True,
+                EPILOGUE=1,
+                HALF=1,
+                EVEN_K=False,
+                BLOCK_N=4,
+                BLOCK_K=512,
+            ),
+        ),
+        "prologue, norm + rope": (
+            prologue_gemv._prologue_gemv_kernel,
+            dict(
+                PROLOGUE=0,
+                HAS_RESIDUAL=True,
+                EPILOGUE=2,
+                HALF=32,
+                EVEN_K=True,
+                BLOCK_N=4,
+                BLOCK_K=512,
+            ),
         ),
         "prologue, silu_mul in": (
             prologue_gemv._prologue_gemv_kernel,
-            dict(PROLOGUE=1, HAS_RESIDUAL=False, GLU=False, EVEN_K=True, BLOCK_N=4, BLOCK_K=512),
+            dict(
+                PROLOGUE=1,
+                HAS_RESIDUAL=False,
+                EPILOGUE=0,
+                HALF=1,
+                EVEN_K=True,
+                BLOCK_N=4,
+                BLOCK_K=512,
+            ),
         ),
         "gemv, one row": (
             gemv._gemv_kernel,
@@ -206,7 +234,7 @@ def test_gemv_kernels_compile_for_hopper_with_pdl():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 6
+    assert len(results) == 8
     for r in results:
         assert r["wait"] and r["signal"], r
 
@@ -223,11 +251,14 @@ def test_pdl_follows_the_device_and_the_environment(fresh_pdl):
     assert not pdl.use_pdl(device) and pdl.launch_options(device) == {}
 
 
-def _chain(x, residual, norm_w, weights):
-    """One layer's GEMVs, each reading the last: add + norm -> qkv-like, gemv, add + norm ->
-    gate_up with the SiLU-mul epilogue, gemv (down); then again, from the new residual."""
+def _chain(x, residual, norm_w, weights, table):
+    """One layer's GEMVs, each reading the last: add + norm -> qkv-like with the rotary
+    epilogue (cos and sin from ``table``), gemv, add + norm -> gate_up with the SiLU-mul
+    epilogue, gemv (down); then again, from the new residual."""
+    cos, sin = table.chunk(2, dim=-1)
     for qkv, o, gate_up, down in weights:
-        a, residual = rms_norm_gemv(x, qkv, norm_w, 1e-5, residual)
+        rotary = Rotary(cos, sin, 2 * cos.shape[-1], 2 * o.shape[1])  # q and k of [q | k | v]
+        a, residual = rms_norm_gemv(x, qkv, norm_w, 1e-5, residual, epilogue="rope", rotary=rotary)
         b = gemv(a[:, : o.shape[1]], o)
         c, residual = rms_norm_gemv(b, gate_up, norm_w, 1e-5, residual, epilogue="silu_mul")
         x = gemv(c, down)
@@ -252,27 +283,29 @@ def test_pdl_chain_in_a_cuda_graph_matches_normal_launches(fresh_pdl):
         (randn(3 * k, k), randn(k, k), randn(2 * inner, k), randn(k, inner)) for _ in range(4)
     ]
     norm_w = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).bfloat16()
-    x, residual = randn(1, k), randn(1, k)  # the graph's inputs, refilled before each replay
+    # the graph's inputs, refilled before each replay (the table as a step's positions move)
+    x, residual, table = randn(1, k), randn(1, k), randn(1, 128)
     fresh_pdl.setenv("GRAPHATTN_PDL", "1")
     assert pdl.use_pdl(device)
-    _chain(x, residual, norm_w, weights)  # compile outside the graph
+    _chain(x, residual, norm_w, weights, table)  # compile outside the graph
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, res = _chain(x, residual, norm_w, weights)
+        out, res = _chain(x, residual, norm_w, weights, table)
     replays = []
     for _ in range(4):
         x.copy_(randn(1, k))
         residual.copy_(randn(1, k))
+        table.copy_(randn(1, 128))
         out.fill_(float("nan"))
         res.fill_(float("nan"))
         graph.replay()
-        replays.append((x.clone(), residual.clone(), out.clone(), res.clone()))
+        replays.append((x.clone(), residual.clone(), table.clone(), out.clone(), res.clone()))
     torch.cuda.synchronize(device)
     pdl.use_pdl.cache_clear()
     fresh_pdl.setenv("GRAPHATTN_PDL", "0")
     assert not pdl.use_pdl(device)
-    for x_in, res_in, got, got_res in replays:
-        want, want_res = _chain(x_in, res_in, norm_w, weights)
+    for x_in, res_in, table_in, got, got_res in replays:
+        want, want_res = _chain(x_in, res_in, norm_w, weights, table_in)
         assert not got.isnan().any()
         assert torch.equal(got, want) and torch.equal(got_res, want_res)

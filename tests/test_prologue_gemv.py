@@ -19,11 +19,13 @@ from helpers import rel_err
 
 from graphattn.kernels.gemv import FMA_ELEMS_PER_THREAD, GemvConfig
 from graphattn.kernels.prologue_gemv import (
+    Rotary,
     choose_prologue_config,
     rms_norm_gemv,
     rms_norm_gemv_ref,
     silu_mul_gemv,
 )
+from graphattn.models.llama import apply_rotary
 
 UNIT = {torch.float16: 2**-11, torch.bfloat16: 2**-8}
 # (N, K): K below one tile and one whole tile at the default tilings (1024 wide; the epilogue's
@@ -141,6 +143,64 @@ def test_silu_mul_epilogue_rounds_as_the_graph(n, k):
     assert torch.equal(s, torch.nn.functional.silu(gate.float()).to(dtype) * up)
 
 
+def _rotary(d: int, rotated: int, dtype, device="cpu", seed=7) -> Rotary:
+    """One position's cos and sin as the model looks them up: halves of one [1, d] row."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    angles = 100 * torch.rand(d // 2, generator=gen, device=device)
+    row = torch.cat([angles.cos(), angles.sin()])[None].to(dtype)
+    cos, sin = row.chunk(2, dim=-1)
+    return Rotary(cos, sin, d, rotated)
+
+
+def _rotated_as_the_graph(plain: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """The model's rotary (graphattn.models.llama.apply_rotary) over the plain product."""
+    r = rotary.rotated
+    turned = apply_rotary(plain[:, :r], (rotary.cos, rotary.sin), rotary.head_size)
+    return torch.cat([turned, plain[:, r:]], dim=-1)
+
+
+# (N, K, head size, rotated columns): q and k heads rotated and v not, all heads rotated,
+# a K tile past the end, heads narrower than a program's pairs
+ROPE_SHAPES = [(96, 64, 16, 64), (128, 200, 32, 128), (192, 520, 64, 128), (12, 8, 4, 8)]
+
+
+@pytest.mark.parametrize("n, k, d, rotated", ROPE_SHAPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("config", [None, *TILINGS[::2]], ids=lambda c: getattr(c, "label", c))
+def test_rope_epilogue_rotates_as_the_graph(n, k, d, rotated, with_residual, config):
+    """fp16 (the interpreter truncates to bf16 where torch rounds): the epilogue equals the
+    model's rotary over the plain kernel's product under the same tiling (the same K order),
+    bit for bit, and leaves the residual sum and the columns past ``rotated`` alone."""
+    dtype = torch.float16
+    x, weight, norm_weight, residual = _norm_inputs(n, k, dtype, seed=8)
+    residual = residual if with_residual else None
+    rotary = _rotary(d, rotated, torch.float32)
+    out, h = rms_norm_gemv(
+        x, weight, norm_weight, 1e-5, residual, epilogue="rope", rotary=rotary, config=config
+    )
+    plain, h_plain = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, config=config)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert torch.equal(h, h_plain)
+    assert torch.equal(out, _rotated_as_the_graph(plain, rotary))
+    assert torch.equal(out[:, rotated:], plain[:, rotated:])
+    # the check can fail: cos and sin swapped, or one head fewer rotated
+    swapped = rotary._replace(cos=rotary.sin, sin=rotary.cos)
+    assert not torch.equal(out, _rotated_as_the_graph(plain, swapped))
+    if rotated > d:
+        fewer = rotary._replace(rotated=rotated - d)
+        assert not torch.equal(out, _rotated_as_the_graph(plain, fewer))
+
+
+def test_rope_epilogue_reads_bf16_tables():
+    """The tables in the model's dtype (its cos_sin_cache follows model.to(dtype))."""
+    dtype = torch.float16
+    x, weight, norm_weight, _ = _norm_inputs(128, 64, dtype, seed=9)
+    rotary = _rotary(32, 96, torch.bfloat16)
+    out, _ = rms_norm_gemv(x, weight, norm_weight, 1e-5, epilogue="rope", rotary=rotary)
+    plain, _ = rms_norm_gemv(x, weight, norm_weight, 1e-5)
+    assert torch.equal(out, _rotated_as_the_graph(plain, rotary))
+
+
 @pytest.mark.parametrize("config", TILINGS, ids=lambda c: c.label)
 @pytest.mark.parametrize("k", [512, 520])  # whole tiles (no masks in the loop), a partial one
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -245,6 +305,67 @@ def test_prologue_configs(rows, k, glu):
             ValueError,
             "block_n must be at least 2, got config n1 k32",
         ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w, nw, 1e-5, epilogue="rope"),
+            ValueError,
+            "rotary is for epilogue='rope' and only for it",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(x, w, nw, 1e-5, rotary=_rotary(8, 8, torch.float32)),
+            ValueError,
+            "rotary is for epilogue='rope' and only for it",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(
+                x,
+                w,
+                nw,
+                1e-5,
+                epilogue="rope",
+                rotary=_rotary(8, 8, torch.float32)._replace(head_size=7),
+            ),
+            ValueError,
+            "head_size must be an even int",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(
+                x, w, nw, 1e-5, epilogue="rope", rotary=_rotary(32, 32, torch.float32)
+            ),
+            ValueError,
+            "the weight's 16 rows must be whole heads",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(
+                x, w, nw, 1e-5, epilogue="rope", rotary=_rotary(8, 12, torch.float32)
+            ),
+            ValueError,
+            r"rotary.rotated must be whole heads of 8 in \(0, 16\], got 12",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(
+                x,
+                w,
+                nw,
+                1e-5,
+                epilogue="rope",
+                rotary=_rotary(16, 16, torch.float32)._replace(head_size=8),
+            ),
+            ValueError,
+            r"rotary.cos must be \[1, 4\] or \[4\]",
+        ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(
+                x,
+                w,
+                nw,
+                1e-5,
+                epilogue="rope",
+                rotary=_rotary(8, 8, torch.float32),
+                config=GemvConfig(1, 32),
+            ),
+            ValueError,
+            "epilogue='rope' streams block_n / 2 pairs",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected(call, error, message):
@@ -274,3 +395,12 @@ def test_llama_shapes_on_the_gpu(n, k):
     fused, h_fused = rms_norm_gemv(x, weight, norm_weight, 1e-5, residual, epilogue="silu_mul")
     assert torch.equal(h_fused, h_want)
     assert _silu_mul_err(fused, normed, weight, UNIT[dtype]) <= 1
+    if n == 3072:  # qkv of Llama 3.2 1B: 32 query and 8 KV heads of 64, q and k rotated
+        rotary = _rotary(64, 2560, dtype, device="cuda")
+        turned, h_rope = rms_norm_gemv(
+            x, weight, norm_weight, 1e-5, residual, epilogue="rope", rotary=rotary
+        )
+        assert torch.equal(h_rope, h_want)
+        assert torch.equal(turned[:, 2560:], out[:, 2560:])
+        # fp32 rotation of the same bf16 products; the kernel may fuse a multiply-add
+        assert rel_err(turned, _rotated_as_the_graph(out, rotary)) < UNIT[dtype]

@@ -24,6 +24,15 @@ of each) and stores ``silu(gate) * up`` instead of the two halves, rounded as th
 rounds it (gate and up to x's dtype, SiLU in fp32 then to x's dtype, the product in x's
 dtype). The SiLU-and-multiply kernel between gate_up and down goes, with its launch.
 
+And one for the attention block's first linear: ``rms_norm_gemv(..., epilogue="rope",
+rotary=Rotary(cos, sin, head_size, rotated))`` rotates the first ``rotated`` output columns
+(the query and key heads of ``[q | k | v]``) by the step's rotary embedding (rotate-half
+layout: in each head of ``head_size`` columns, column ``i < head_size / 2`` pairs with
+``i + head_size / 2``). Each program streams the two rows of each of its pairs together,
+rounds both products to x's dtype as the graph stores them, and stores
+``(x1 cos - x2 sin, x2 cos + x1 sin)`` computed in fp32 and rounded once, as the graph's
+rotary does. The rotary kernel between qkv and attention goes.
+
 The SiLU product rounds as the post-grad graph ``passes/prologue_gemv.py`` rewrites does;
 the normalized row is never rounded to x's dtype (the graph rounds it once), so a fused
 norm differs from the unfused one by at most that rounding of each element: one unit of
@@ -35,6 +44,8 @@ weight must not be an output of the kernel launched just before (a parameter nev
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -53,7 +64,19 @@ from graphattn.kernels.pdl import launch_options
 
 PROLOGUE_DTYPES = (torch.bfloat16, torch.float16)
 RMS_NORM, SILU_MUL = 0, 1
-EPILOGUES = (None, "silu_mul")
+EPILOGUES = (None, "silu_mul", "rope")
+NO_EPILOGUE, GLU, ROPE = 0, 1, 2  # the kernel's EPILOGUE
+
+
+class Rotary(NamedTuple):
+    """The rotary embedding of ``epilogue="rope"``: the step's one position's ``cos`` and
+    ``sin`` (``[1, head_size / 2]`` or ``[head_size / 2]``, any float dtype, unit last
+    stride), the head size, and how many leading output columns rotate (whole heads)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    head_size: int
+    rotated: int
 
 
 def rms_norm_gemv(
@@ -65,20 +88,23 @@ def rms_norm_gemv(
     *,
     epilogue: str | None = None,
     config: GemvConfig | None = None,
+    rotary: Rotary | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)``; see the module. Without a
     residual the second result is ``x`` itself. ``epilogue="silu_mul"`` takes the product
     as ``[gate | up]`` (N even) and returns ``silu(gate) * up``, ``[1, N / 2]``, instead.
-    ``config``: the tiling (its ``block_n``, ``block_k``, ``num_warps`` and ``num_stages``;
-    with the epilogue ``block_n`` counts the rows of both halves, so it is at least 2); None
-    picks the one-row config for the weight's shape (``choose_prologue_config``)."""
+    ``epilogue="rope"`` returns the product with its first ``rotary.rotated`` columns
+    rotated by ``rotary``. ``config``: the tiling (its ``block_n``, ``block_k``,
+    ``num_warps`` and ``num_stages``; with an epilogue ``block_n`` counts the rows of both
+    halves or of both columns of each rotated pair, so it is at least 2); None picks the
+    one-row config for the weight's shape (``choose_prologue_config``)."""
     expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("x", x, weight, weight.shape[1])
     expect_ndim("norm_weight", norm_weight, 1, "[K]")
     expect_dim("norm_weight", norm_weight, 0, x.shape[1], "K")
     expect_unit_last_stride("norm_weight", norm_weight)
     expect_same_device({"x": x, "weight": weight, "norm_weight": norm_weight})
-    glu = _check_epilogue(epilogue, weight)
+    kind = _check_epilogue(epilogue, weight, rotary, x)
     if residual is not None:
         _check_row("residual", residual, weight, x.shape[1])
         expect_same_device({"x": x, "residual": residual})
@@ -87,7 +113,8 @@ def rms_norm_gemv(
         residual = h = x  # unused by the kernel
     has_residual = residual is not h
     out = _launch(
-        x, residual, h, norm_weight, weight, float(eps), RMS_NORM, has_residual, glu, config
+        x, residual, h, norm_weight, weight, float(eps), RMS_NORM, has_residual, kind, config,
+        rotary,
     )  # fmt: skip
     return out, h
 
@@ -101,7 +128,9 @@ def silu_mul_gemv(
     expect_ndim("weight", weight, 2, "[N, K]")
     _check_row("gate_up", gate_up, weight, 2 * weight.shape[1])
     expect_same_device({"gate_up": gate_up, "weight": weight})
-    return _launch(gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False, False, config)
+    return _launch(
+        gate_up, gate_up, gate_up, weight, weight, 0.0, SILU_MUL, False, NO_EPILOGUE, config
+    )  # fmt: skip
 
 
 def choose_prologue_config(rows: int, k: int, *, glu: bool = False) -> GemvConfig:
@@ -122,9 +151,11 @@ def choose_prologue_config(rows: int, k: int, *, glu: bool = False) -> GemvConfi
 
 
 def _launch(
-    x, residual, h, norm_weight, weight, eps, prologue, has_residual, glu, config
-) -> torch.Tensor:
+    x, residual, h, norm_weight, weight, eps, prologue, has_residual, epilogue, config,
+    rotary=None,
+) -> torch.Tensor:  # fmt: skip
     rows, k = weight.shape
+    glu = epilogue == GLU
     n = rows // 2 if glu else rows  # output columns
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     if config is None and prologue == SILU_MUL:
@@ -135,28 +166,40 @@ def _launch(
         raise ValueError(
             f"a prologue GEMV runs one K split on the CUDA cores, got config {config.label}"
         )
-    elif glu and config.block_n < 2:
+    elif epilogue != NO_EPILOGUE and config.block_n < 2:
         raise ValueError(
-            "epilogue='silu_mul' streams block_n / 2 rows of each half of the weight, so "
+            f"epilogue={EPILOGUES[epilogue]!r} streams block_n / 2 pairs of weight rows, so "
             f"block_n must be at least 2, got config {config.label}"
         )
-    # GLU: a program streams block_n weight rows as before, half from each half of the weight
-    block_n = config.block_n // 2 if glu else config.block_n
+    # With an epilogue a program streams block_n weight rows as before, as block_n / 2
+    # pairs: (gate, up) rows N apart, or rotary pairs half a head apart.
+    block_n = config.block_n // 2 if epilogue != NO_EPILOGUE else config.block_n
+    if epilogue == ROPE:
+        cos, sin, half, rotated = rotary.cos, rotary.sin, rotary.head_size // 2, rotary.rotated
+        programs = triton.cdiv(n // 2, block_n)
+    else:
+        cos = sin = x  # unused by the kernel
+        half, rotated = 1, 0
+        programs = triton.cdiv(n, block_n)
     pdl = launch_options(x.device)
-    _prologue_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _prologue_gemv_kernel[(programs,)](
         x,
         residual,
         h,
         norm_weight,
         weight,
         out,
+        cos,
+        sin,
         n,
         k,
         weight.stride(0),
         eps,
+        rotated,
         PROLOGUE=prologue,
         HAS_RESIDUAL=has_residual,
-        GLU=glu,
+        EPILOGUE=epilogue,
+        HALF=half,
         PDL=bool(pdl),
         EVEN_K=k % config.block_k == 0,
         BLOCK_N=block_n,
@@ -169,18 +212,50 @@ def _launch(
     return out
 
 
-def _check_epilogue(epilogue: str | None, weight: torch.Tensor) -> bool:
-    """Whether the launch computes ``silu(gate) * up`` (a typed error for anything else)."""
+def _check_epilogue(
+    epilogue: str | None, weight: torch.Tensor, rotary: Rotary | None, x: torch.Tensor
+) -> int:
+    """The kernel's EPILOGUE for ``epilogue`` (a typed error for anything it cannot do)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if (epilogue == "rope") != (rotary is not None):
+        raise ValueError(
+            f"rotary is for epilogue='rope' and only for it, got epilogue={epilogue!r} with "
+            f"rotary={'given' if rotary is not None else None}"
+        )
     if epilogue is None:
-        return False
+        return NO_EPILOGUE
+    if epilogue == "rope":
+        _check_rotary(rotary, weight, x)
+        return ROPE
     if weight.shape[0] % 2:
         raise ValueError(
             f"epilogue='silu_mul' needs an even number of weight rows ([gate | up]), got "
             f"weight shape {list(weight.shape)}"
         )
-    return True
+    return GLU
+
+
+def _check_rotary(rotary: Rotary, weight: torch.Tensor, x: torch.Tensor) -> None:
+    d, rotated, n = rotary.head_size, rotary.rotated, weight.shape[0]
+    if not (isinstance(d, int) and d >= 2 and d % 2 == 0):
+        raise ValueError(f"rotary.head_size must be an even int >= 2, got {d!r}")
+    if n % d:
+        raise ValueError(
+            f"epilogue='rope' pairs columns within heads of {d}: the weight's {n} rows must be "
+            f"whole heads"
+        )
+    if not (isinstance(rotated, int) and 0 < rotated <= n and rotated % d == 0):
+        raise ValueError(f"rotary.rotated must be whole heads of {d} in (0, {n}], got {rotated!r}")
+    for name, t in (("rotary.cos", rotary.cos), ("rotary.sin", rotary.sin)):
+        if t.numel() != d // 2 or t.dim() not in (1, 2) or t.shape[-1] != d // 2:
+            raise ValueError(
+                f"{name} must be [1, {d // 2}] or [{d // 2}] (one position, head_size / 2), "
+                f"got shape {list(t.shape)}"
+            )
+        expect_dtype(name, t, (torch.float32, torch.bfloat16, torch.float16))
+        expect_unit_last_stride(name, t)
+    expect_same_device({"x": x, "rotary.cos": rotary.cos, "rotary.sin": rotary.sin})
 
 
 def _check_row(name: str, t: torch.Tensor, weight: torch.Tensor, k: int) -> None:
@@ -204,13 +279,19 @@ def _prologue_gemv_kernel(
     norm_w_ptr,  # [K], RMS_NORM only
     w_ptr,  # [N, K], or [2N, K] with GLU (gate rows, then up rows)
     out_ptr,  # [N]
+    cos_ptr,  # [HALF], ROPE only
+    sin_ptr,  # [HALF], ROPE only
     N,  # output columns
     K,
     stride_wn,
     eps,
+    rotated,  # ROPE: the leading output columns that rotate (whole heads)
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    GLU: tl.constexpr,  # out = silu(gate) * up over the two halves of the weight's rows
+    # 1 (GLU): out = silu(gate) * up over the two halves of the weight's rows;
+    # 2 (ROPE): the rotate-half rotary embedding over heads of 2 * HALF columns
+    EPILOGUE: tl.constexpr,
+    HALF: tl.constexpr,  # ROPE: half the head size
     PDL: tl.constexpr,  # launched with launch_pdl: first weight tile, wait, ..., signal (pdl.py)
     EVEN_K: tl.constexpr,  # K is whole tiles: no masks in the loop
     BLOCK_N: tl.constexpr,
@@ -218,21 +299,31 @@ def _prologue_gemv_kernel(
     STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    if EPILOGUE == 2:  # ROPE: BN pairs (row, row + HALF), the first of each in a head's first half
+        pairs = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        row_ok = pairs < N // 2
+        pairs = tl.minimum(pairs, N // 2 - 1)
+        rows = (pairs // HALF) * (2 * HALF) + pairs % HALF
+        partner = HALF  # rows from a pair's first row to its second
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        row_ok = rows < N
+        rows = tl.minimum(rows, N - 1)
+        partner = N  # GLU: the up half's rows
     cols = tl.arange(0, BLOCK_K)  # [BK]
     # Clamped rows read real data, so only K needs a mask; their results are not stored.
-    w_ptrs = w_ptr + (tl.minimum(rows, N - 1).to(tl.int64) * stride_wn)[:, None] + cols[None, :]
-    # GLU: the up half's rows (N may be a constexpr: Triton specialises an int equal to 1)
-    up_ptrs = w_ptrs + tl.cast(N, tl.int64) * stride_wn
+    w_ptrs = w_ptr + (rows.to(tl.int64) * stride_wn)[:, None] + cols[None, :]
+    # each pair's second row (N may be a constexpr: Triton specialises an int equal to 1)
+    up_ptrs = w_ptrs + tl.cast(partner, tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GLU only
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # each pair's second row (epilogues)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMS_NORM: h^2, summed over K after the loop
     h_len = tl.where(pid == 0, K, 0)  # program 0 writes h
     k_first = 0
     if PDL:  # the first tile: its weights before the wait (no kernel writes them), x after
         ok = cols < K
         w = tl.load(w_ptrs, mask=ok[None, :], other=0.0)
-        w_up = tl.load(up_ptrs, mask=ok[None, :], other=0.0) if GLU else w
+        w_up = tl.load(up_ptrs, mask=ok[None, :], other=0.0) if EPILOGUE != 0 else w
         tl.extra.cuda.gdc_wait()
         a, a_sq = _prologue(
             x_ptr, res_ptr, h_ptr, norm_w_ptr, out_ptr, cols, ok, h_len, K,
@@ -240,7 +331,7 @@ def _prologue_gemv_kernel(
         )  # fmt: skip
         sq += a_sq
         acc += w.to(tl.float32) * a[None, :]
-        if GLU:
+        if EPILOGUE != 0:
             acc_up += w_up.to(tl.float32) * a[None, :]
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -258,7 +349,7 @@ def _prologue_gemv_kernel(
         else:
             w = tl.load(w_ptrs, mask=ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a[None, :]
-        if GLU:
+        if EPILOGUE != 0:
             if EVEN_K:
                 w_up = tl.load(up_ptrs)
             else:
@@ -275,9 +366,18 @@ def _prologue_gemv_kernel(
         scale = tl.rsqrt(tl.sum(sq, 0) / K + eps)
         res = res * scale
         up = up * scale
-    if GLU:  # gate and up are rounded to dtype first, as the graph stores them
+    if EPILOGUE == 1:  # gate and up are rounded to dtype first, as the graph stores them
         res = _silu_mul(res.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
-    tl.store(out_ptr + rows, res.to(dtype), mask=rows < N)
+    if EPILOGUE == 2:  # both columns of a pair are rounded to dtype first, as the graph stores them
+        x1 = res.to(dtype).to(tl.float32)
+        x2 = up.to(dtype).to(tl.float32)
+        cos = tl.load(cos_ptr + pairs % HALF).to(tl.float32)
+        sin = tl.load(sin_ptr + pairs % HALF).to(tl.float32)
+        turn = rows < rotated
+        res = tl.where(turn, x1 * cos - x2 * sin, x1)
+        up = tl.where(turn, x2 * cos + x1 * sin, x2)
+        tl.store(out_ptr + rows + HALF, up.to(dtype), mask=row_ok)
+    tl.store(out_ptr + rows, res.to(dtype), mask=row_ok)
 
 
 @triton.jit
