@@ -336,6 +336,9 @@ def _prologue_gemv_kernel(
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         k_first = BLOCK_K
+    if EPILOGUE == 2:  # the tables before the loop (after the wait), their latency under it
+        cos = tl.load(cos_ptr + pairs % HALF).to(tl.float32)
+        sin = tl.load(sin_ptr + pairs % HALF).to(tl.float32)
     for k in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
         offs = k + cols
         ok = offs < K
@@ -371,8 +374,6 @@ def _prologue_gemv_kernel(
     if EPILOGUE == 2:  # both columns of a pair are rounded to dtype first, as the graph stores them
         x1 = res.to(dtype).to(tl.float32)
         x2 = up.to(dtype).to(tl.float32)
-        cos = tl.load(cos_ptr + pairs % HALF).to(tl.float32)
-        sin = tl.load(sin_ptr + pairs % HALF).to(tl.float32)
         turn = rows < rotated
         res = tl.where(turn, x1 * cos - x2 * sin, x1)
         up = tl.where(turn, x2 * cos + x1 * sin, x2)
