@@ -125,11 +125,15 @@ def make_case(
 
 
 def run_kernel(case: PagedCase, plan, *, scale, window=None, soft_cap=None) -> torch.Tensor:
-    """The kernel's output for ``case`` under ``plan``, poisoned with NaN beforehand."""
+    """The kernel's output for ``case`` under ``plan``, poisoned with NaN beforehand, as is
+    the split scratch (the reduction reads every split's row of each real token: a row the
+    attention kernel did not write would turn its output NaN)."""
     output = torch.full_like(case.query, float("nan"))
     scratch = SplitScratch.allocate(
         case.query.shape[0], case.key_cache.shape[2], case.query.shape[2], case.query.device
     )
+    scratch.out.fill_(float("nan"))
+    scratch.lse.fill_(float("nan"))
     return unified_attention(
         case.query,
         case.key_cache,

@@ -126,21 +126,25 @@ def _reduce_kernel(
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_reqs):  # a padding token no request owns
-        return
     num_heads = tl.num_programs(1)
     splits = tl.arange(0, S_PAD)
     dims = tl.arange(0, D_PAD)
     row = (token.to(tl.int64) * num_heads + head) * num_splits + splits  # [S]
-    lse = tl.load(part_lse_ptr + row, mask=splits < num_splits, other=float("-inf"))
-    has_keys = lse > float("-inf")  # [S]
-    top = tl.max(lse, 0)
-    top = tl.where(top > float("-inf"), top, 0.0)  # no key at all: every weight is 0
-    weight = tl.exp2(lse - top)  # [S], 1 for the largest split, 0 for empty ones
-    mask = has_keys[:, None] & (dims < HEAD_SIZE)[None, :]  # never read an empty split
+    ok = splits < num_splits
+    # Every read at once, none waiting on another: the batch's end, the log-sum-exps and the
+    # partial rows. A split without keys stored zeros (and -inf), so no row needs a mask; a
+    # padding token's rows (in the scratch, never written) are read and dropped.
+    end = tl.load(query_start_loc_ptr + num_reqs)
+    lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"))
+    mask = ok[:, None] & (dims < HEAD_SIZE)[None, :]
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if token >= end:  # a padding token no request owns
+        return
+    top = tl.max(lse, 0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # no key at all: every weight is 0
+    weight = tl.exp2(lse - top)  # [S], 1 for the largest split, 0 for empty ones
     total = tl.maximum(tl.sum(weight, 0), 1.0)  # >= 1 when any split has keys; else out = 0
     out = tl.sum(parts * weight[:, None], 0) / total  # [D]
     dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims
