@@ -199,6 +199,12 @@ def _add_rms_norm_gemv_rope_fake(x, residual, weight, norm_weight, eps, cos, sin
     return x.new_empty((1, weight.shape[0])), torch.empty_like(x)
 
 
+_NORM_GEMVS = (
+    torch.ops.graphattn.rms_norm_gemv.default,
+    torch.ops.graphattn.add_rms_norm_gemv.default,
+)
+
+
 class _PrologueFold(GraphPass):
     """Folds, where it matches, the op before each one-row ``mm`` into a prologue GEMV."""
 
@@ -233,41 +239,41 @@ class SiluMulGemvPass(_PrologueFold):
         return _fold_silu_mul(graph, mm, x, weight)
 
 
-class SiluMulEpiloguePass(GraphPass):
+class _EpilogueFold(GraphPass):
+    """Folds, where it matches, the op after each one-row norm GEMV into its epilogue."""
+
+    def uuid(self) -> str:  # what it matches also depends on single_row_gemv's rules
+        return module_uuid(self.name, __name__, single_row_gemv.__name__)
+
+    def __call__(self, graph: fx.Graph) -> int:
+        calls = [n for n in graph.nodes if n.op == "call_function" and n.target in _NORM_GEMVS]
+        return sum(self.fold(graph, call) for call in calls)
+
+    @abstractmethod
+    def fold(self, graph: fx.Graph, call: fx.Node) -> bool:
+        """Rewrite ``call`` (a norm GEMV) and the op after it; True if done."""
+
+
+class SiluMulEpiloguePass(_EpilogueFold):
     """Rewrites a one-row ``rms_norm_gemv`` / ``add_rms_norm_gemv`` whose product only feeds
     ``silu(gate) * up`` over its halves into ``rms_norm_gemv_silu_mul`` /
     ``add_rms_norm_gemv_silu_mul`` (a default pass; runs after ``rms_norm_gemv``)."""
 
     name: ClassVar[str] = "silu_mul_epilogue"
 
-    def uuid(self) -> str:
-        return module_uuid(self.name, __name__, single_row_gemv.__name__)
-
-    def __call__(self, graph: fx.Graph) -> int:
-        changed = 0
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in _EPILOGUE_OPS:
-                continue
-            changed += _fold_silu_mul_epilogue(graph, node)
-        return changed
+    def fold(self, graph: fx.Graph, call: fx.Node) -> bool:
+        return _fold_silu_mul_epilogue(graph, call)
 
 
-class RotaryEpiloguePass(GraphPass):
+class RotaryEpiloguePass(_EpilogueFold):
     """Rewrites a one-row ``rms_norm_gemv`` / ``add_rms_norm_gemv`` whose product's leading
     columns only feed a rotate-half rotary embedding into ``rms_norm_gemv_rope`` /
     ``add_rms_norm_gemv_rope`` (a default pass; runs after ``rms_norm_gemv``)."""
 
     name: ClassVar[str] = "rope_epilogue"
 
-    def uuid(self) -> str:
-        return module_uuid(self.name, __name__, single_row_gemv.__name__)
-
-    def __call__(self, graph: fx.Graph) -> int:
-        changed = 0
-        for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in _ROPE_OPS:
-                changed += _fold_rope_epilogue(graph, node)
-        return changed
+    def fold(self, graph: fx.Graph, call: fx.Node) -> bool:
+        return _fold_rope_epilogue(graph, call)
 
 
 def _fold_rms_norm(graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) -> bool:
@@ -327,15 +333,8 @@ _EPILOGUE_OPS = {
 
 def _fold_silu_mul_epilogue(graph: fx.Graph, call: fx.Node) -> bool:
     """Fold ``silu(gate) * up`` over ``call``'s product into ``call``; True if done."""
-    two_outputs = call.target is torch.ops.graphattn.add_rms_norm_gemv.default
-    if two_outputs:  # the product is getitem 0, the residual sum h getitem 1
-        items = {user.args[1]: user for user in call.users if user.target is operator.getitem}
-        product = items.get(0)
-        if product is None or len(items) != len(call.users):
-            return False
-    else:
-        product = call
-    silu_mul = _silu_mul_of(product)
+    found = _product_of(call)
+    silu_mul = _silu_mul_of(found[0]) if found else None
     if silu_mul is None:
         return False
     x, chain = silu_mul
@@ -344,22 +343,9 @@ def _fold_silu_mul_epilogue(graph: fx.Graph, call: fx.Node) -> bool:
     inside = {*chain, x}
     if any(user not in inside for node in chain if node is not x for user in node.users):
         return False
-    with graph.inserting_after(call):
-        fused = graph.call_function(_EPILOGUE_OPS[call.target], call.args, call.kwargs)
-    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in call.args]
-    if two_outputs:
-        fused.meta["val"] = _add_rms_norm_gemv_silu_mul_fake(*vals)
-        out, total = _outputs(graph, fused)
-        if 1 in items:
-            items[1].replace_all_uses_with(total)
-        old = [items[i] for i in sorted(items)]
-    else:
-        fused.meta["val"] = _rms_norm_gemv_silu_mul_fake(*vals)
-        out, old = fused, []
+    out, total = _fused_call(graph, call, _EPILOGUE_OPS[call.target], call.args, found[1])
     x.replace_all_uses_with(out)
-    _erase_unused(graph, [*chain, *old, call])
-    if two_outputs and not total.users:
-        graph.erase_node(total)
+    _erase_replaced(graph, [*chain, *found[1].values(), call], total)
     return True
 
 
@@ -371,44 +357,71 @@ _ROPE_OPS = {
 
 def _fold_rope_epilogue(graph: fx.Graph, call: fx.Node) -> bool:
     """Fold the rotary embedding of ``call``'s leading columns into ``call``; True if done."""
-    two_outputs = call.target is torch.ops.graphattn.add_rms_norm_gemv.default
-    if two_outputs:  # the product is getitem 0, the residual sum h getitem 1
-        items = {user.args[1]: user for user in call.users if user.target is operator.getitem}
-        product = items.get(0)
-        if product is None or len(items) != len(call.users):
-            return False
-    else:
-        product = call
-    match = _rotary_of(product)
+    found = _product_of(call)
+    match = _rotary_of(found[0]) if found else None
     if match is None:
         return False
+    product, items = found
     rotated_view, cos, sin, head_size, rotated, chain = match
     order = {node: i for i, node in enumerate(graph.nodes)}
     if max(order[cos], order[sin]) > order[call]:
         return False  # the tables come later: the fused call could not take call's place
-    with graph.inserting_after(call):
-        fused = graph.call_function(
-            _ROPE_OPS[call.target], (*call.args, cos, sin, head_size, rotated)
-        )
-    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in fused.args]
-    if two_outputs:
-        fused.meta["val"] = _add_rms_norm_gemv_rope_fake(*vals)
-        out, total = _outputs(graph, fused)
-        if 1 in items:
-            items[1].replace_all_uses_with(total)
-        old = [items[i] for i in sorted(items)]
-    else:
-        fused.meta["val"] = _rms_norm_gemv_rope_fake(*vals)
-        out, old = fused, []
+    args = (*call.args, cos, sin, head_size, rotated)
+    out, total = _fused_call(graph, call, _ROPE_OPS[call.target], args, items)
     with graph.inserting_after(out):
         head = graph.call_function(aten.slice.Tensor, (out, 1, 0, rotated))
     head.meta["val"] = aten.slice.Tensor(out.meta["val"], 1, 0, rotated)
     rotated_view.replace_all_uses_with(head)
     product.replace_all_uses_with(out)  # the slices of the columns that do not rotate
-    _erase_unused(graph, [*chain, *old, call])
-    if two_outputs and not total.users:
-        graph.erase_node(total)
+    _erase_replaced(graph, [*chain, *items.values(), call], total)
     return True
+
+
+def _product_of(call: fx.Node) -> tuple[fx.Node, dict[int, fx.Node]] | None:
+    """``(product, items)``: the node of ``call``'s product (``call`` itself, or the residual
+    variant's getitem 0) and the residual variant's getitems by index (none for the other);
+    None when the residual variant has a user that is not one of its getitems."""
+    if call.target is not torch.ops.graphattn.add_rms_norm_gemv.default:
+        return call, {}
+    items = {user.args[1]: user for user in call.users if user.target is operator.getitem}
+    product = items.get(0)
+    if product is None or len(items) != len(call.users):
+        return None
+    return product, items
+
+
+def _fused_call(
+    graph: fx.Graph, call: fx.Node, target, args: tuple, items: dict[int, fx.Node]
+) -> tuple[fx.Node, fx.Node | None]:
+    """``target(*args)`` right after ``call``; returns the node of its product and, for the
+    residual variant (``items`` given), of its residual sum, which takes over the users of
+    ``call``'s (item 1)."""
+    with graph.inserting_after(call):
+        fused = graph.call_function(target, args)
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    fused.meta["val"] = _FAKES[target](*vals)
+    if not items:
+        return fused, None
+    out, total = _outputs(graph, fused)
+    if 1 in items:
+        items[1].replace_all_uses_with(total)
+    return out, total
+
+
+def _erase_replaced(graph: fx.Graph, nodes: list[fx.Node], total: fx.Node | None) -> None:
+    """Erase the replaced ``nodes`` (consumers first), and the fused call's residual sum when
+    nothing reads it."""
+    _erase_unused(graph, nodes)
+    if total is not None and not total.users:
+        graph.erase_node(total)
+
+
+_FAKES = {
+    torch.ops.graphattn.rms_norm_gemv_silu_mul.default: _rms_norm_gemv_silu_mul_fake,
+    torch.ops.graphattn.add_rms_norm_gemv_silu_mul.default: _add_rms_norm_gemv_silu_mul_fake,
+    torch.ops.graphattn.rms_norm_gemv_rope.default: _rms_norm_gemv_rope_fake,
+    torch.ops.graphattn.add_rms_norm_gemv_rope.default: _add_rms_norm_gemv_rope_fake,
+}
 
 
 def _rotary_of(product: fx.Node):

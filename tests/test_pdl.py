@@ -147,42 +147,20 @@ def compile_gemvs_for_hopper() -> list[dict]:
 
     from graphattn.kernels import gemv, prologue_gemv
 
+    prologue = prologue_gemv._prologue_gemv_kernel
+    tiles = dict(HALF=1, BLOCK_N=4, BLOCK_K=512)  # HALF matters to the rope epilogue only
     launches = {
         "prologue, norm + silu_mul": (
-            prologue_gemv._prologue_gemv_kernel,
-            dict(
-                PROLOGUE=0,
-                HAS_RESIDUAL=True,
-                EPILOGUE=1,
-                HALF=1,
-                EVEN_K=False,
-                BLOCK_N=4,
-                BLOCK_K=512,
-            ),
+            prologue,
+            tiles | dict(PROLOGUE=0, HAS_RESIDUAL=True, EPILOGUE=1, EVEN_K=False),
         ),
         "prologue, norm + rope": (
-            prologue_gemv._prologue_gemv_kernel,
-            dict(
-                PROLOGUE=0,
-                HAS_RESIDUAL=True,
-                EPILOGUE=2,
-                HALF=32,
-                EVEN_K=True,
-                BLOCK_N=4,
-                BLOCK_K=512,
-            ),
+            prologue,
+            tiles | dict(PROLOGUE=0, HAS_RESIDUAL=True, EPILOGUE=2, HALF=32, EVEN_K=True),
         ),
         "prologue, silu_mul in": (
-            prologue_gemv._prologue_gemv_kernel,
-            dict(
-                PROLOGUE=1,
-                HAS_RESIDUAL=False,
-                EPILOGUE=0,
-                HALF=1,
-                EVEN_K=True,
-                BLOCK_N=4,
-                BLOCK_K=512,
-            ),
+            prologue,
+            tiles | dict(PROLOGUE=1, HAS_RESIDUAL=False, EPILOGUE=0, EVEN_K=True),
         ),
         "gemv, one row": (
             gemv._gemv_kernel,
