@@ -44,10 +44,11 @@ rotated in the rotate-half form::
     cos_ = convert(unsqueeze(cos, 1), f32)        (each step optional; sin_ alike)
     y = view(convert(cat([x1 * cos_ - x2 * sin_, x2 * cos_ + x1 * sin_], -1), dtype), [1, R])
 
-(products in either order), into ``rms_norm_gemv_rope`` / ``add_rms_norm_gemv_rope``
-whose output is the product with its first R columns rotated: ``y`` becomes its slice, the
-other slices read it as they read the product. The rotary kernel between qkv and attention
-goes.
+(products in either order; cos and sin one position's ``[1, D/2]`` rows in fp32, bf16 or
+fp16; every term ``[1, H, D/2]`` in fp32, so nothing broadcasts past the heads), into
+``rms_norm_gemv_rope`` / ``add_rms_norm_gemv_rope`` whose output is the product with its
+first R columns rotated: ``y`` becomes its slice, the other slices read it as they read the
+product. The rotary kernel between qkv and attention goes.
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def _add_rms_norm_gemv_rope_fake(x, residual, weight, norm_weight, eps, cos, sin
     return x.new_empty((1, weight.shape[0])), torch.empty_like(x)
 
 
+ROPE_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel reads
 _NORM_GEMVS = (
     torch.ops.graphattn.rms_norm_gemv.default,
     torch.ops.graphattn.add_rms_norm_gemv.default,
@@ -482,7 +484,7 @@ def _is_column_slice(node: fx.Node) -> bool:
     if not _is(node, aten.slice.Tensor, users=None) or len(node.args) < 4:
         return False
     dim, start = node.args[1], node.args[2]
-    step = node.args[4] if len(node.args) > 4 else 1
+    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
     return dim in (1, -1) and isinstance(start, int) and start >= 0 and step == 1
 
 
@@ -492,6 +494,9 @@ def _rotation_terms(x1: fx.Node, x2: fx.Node):
     ``y = view(convert(cat([x1 cos_ - x2 sin_, x2 cos_ + x1 sin_], -1)))``; else None."""
     muls = [u for x in (x1, x2) for u in x.users]
     if not all(_is(m, aten.mul.Tensor) for m in muls):  # one user each
+        return None
+    half = x1.meta["val"]  # [1, H, D/2] fp32; every term has its shape (no broadcast past it)
+    if half.dtype != torch.float32 or x2.meta["val"].shape != half.shape:
         return None
     subs = [u for m in x1.users for u in m.users if _is(u, aten.sub.Tensor)]
     if len(subs) != 1 or subs[0].kwargs.get("alpha", 1) != 1:
@@ -511,11 +516,14 @@ def _rotation_terms(x1: fx.Node, x2: fx.Node):
         return None
     if len(x1_sin.users) != 1 or add.kwargs.get("alpha", 1) != 1:
         return None
+    terms = (first, second, x2_cos, x1_sin, sub, add)
+    if any(_val_of(t) != (half.shape, torch.float32) for t in terms):
+        return None
     (cat,) = sub.users if len(sub.users) == 1 else (None,)
     if not (_is(cat, aten.cat.default) and list(cat.args[0]) == [sub, add]):
         return None
     if (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) not in (-1, 2):
-        return None
+        return None  # the last of the three dimensions: [x1 | x2] within each head
     back = next(iter(cat.users))
     if not _is(back, prims.convert_element_type.default):
         return None
@@ -523,6 +531,11 @@ def _rotation_terms(x1: fx.Node, x2: fx.Node):
     if not _is_view(y, users=None) or y.meta["val"].dim() != 2:
         return None
     return y, cos_, sin_, [back, cat, add, sub, x1_sin, x2_cos, second, first]
+
+
+def _val_of(node: fx.Node) -> tuple[torch.Size, torch.dtype] | None:
+    val = node.meta.get("val")
+    return (val.shape, val.dtype) if isinstance(val, torch.Tensor) else None
 
 
 def _other(mul: fx.Node | None, x: fx.Node) -> fx.Node | None:
@@ -534,18 +547,20 @@ def _other(mul: fx.Node | None, x: fx.Node) -> fx.Node | None:
 
 
 def _rope_table(node: object, d: int) -> fx.Node | None:
-    """The ``[1, d / 2]`` cos or sin row behind ``convert(unsqueeze(row, 1), f32)`` (either
-    step optional, in either order); else None."""
-    for _ in range(2):
-        to_f32 = _is(node, prims.convert_element_type.default, users=None) and (
-            node.args[1] == torch.float32
-        )
-        if to_f32 or (_is(node, aten.unsqueeze.default, users=None) and node.args[1] == 1):
-            node = node.args[0]
+    """The ``[1, d / 2]`` cos or sin row (fp32, bf16 or fp16) behind the ``[1, 1, d / 2]``
+    fp32 factor ``convert(unsqueeze(row, 1), f32)`` (either step optional, in either order,
+    each at most once); else None."""
+    if not isinstance(node, fx.Node) or _val_of(node) != ((1, 1, d // 2), torch.float32):
+        return None
+    steps = {prims.convert_element_type.default: torch.float32, aten.unsqueeze.default: 1}
+    while isinstance(node, fx.Node) and node.target in steps:
+        if not _is(node, node.target, users=None) or node.args[1] != steps.pop(node.target):
+            return None
+        node = node.args[0]
     if not isinstance(node, fx.Node):
         return None
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+    if not isinstance(val, torch.Tensor) or val.dtype not in ROPE_TABLE_DTYPES:
         return None
     if tuple(val.shape) != (1, d // 2) or val.stride(-1) != 1:
         return None

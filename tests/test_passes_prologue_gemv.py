@@ -41,12 +41,13 @@ NO_GEMV = ("noop_elimination", "unfuse_residual_addmm")
 WITH_PROLOGUE = (*NO_GEMV, "rms_norm_gemv", "rope_epilogue", "silu_mul_gemv", "single_row_gemv")
 
 
-def _graph(fn, *shapes, keep=()):
-    """Post-grad-like ATen graph of ``fn`` over fake bf16 CUDA tensors of ``shapes`` (the ops
-    in ``keep`` stay undecomposed)."""
+def _graph(fn, *shapes, keep=(), dtypes=None):
+    """Post-grad-like ATen graph of ``fn`` over fake CUDA tensors of ``shapes`` (bf16, or
+    ``dtypes``; the ops in ``keep`` stay undecomposed)."""
     mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
-        args = [torch.empty(*s, dtype=BF16, device="cuda") for s in shapes]
+        dtypes = dtypes or [BF16] * len(shapes)
+        args = [torch.empty(*s, dtype=t, device="cuda") for s, t in zip(shapes, dtypes)]
     table = {op: f for op, f in select_decomp_table().items() if op not in keep}
     gm = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*args)
     gm.graph.eliminate_dead_code()  # as Inductor has by the time post-grad passes run
@@ -312,25 +313,40 @@ D, Q, KV = 16, 64, 32  # head size; query and key columns of the [1, 128] qkv pr
 QKV_SHAPES = [(1, 64), (1, 64), (64,), (128, 64), (1, D // 2), (1, D // 2)]
 
 
-def _rotate(x, cos, sin, *, flip=False):
+def _rotate(x, cos, sin, *, form="rotate_half"):
     """graphattn.models.llama.apply_rotary in explicit ATen ops (make_fx's fake CUDA tensors
-    reject its ``[:, None, :]`` indexing); ``flip`` rotates the other way round."""
+    reject its ``[:, None, :]`` indexing), or one of the other ``form``s the pass must leave
+    alone."""
     c, s = aten.unsqueeze(cos, 1).float(), aten.unsqueeze(sin, 1).float()
+    if form == "4d":  # fp32 tables unsqueezed twice: the terms are [1, 1, H, D/2] and
+        # cat(dim=2) joins them along the heads, not within each head
+        c, s = aten.unsqueeze(aten.unsqueeze(cos, 1), 1), aten.unsqueeze(aten.unsqueeze(sin, 1), 1)
+        x1, x2 = x.view(1, -1, D).float().chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=2).to(x.dtype).view(1, -1)
+    if form == "sin_for_cos":  # the second half's cos is another table
+        x1, x2 = x.view(1, -1, D).float().chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * s + x1 * s], dim=-1).to(x.dtype).view(1, -1)
     x1, x2 = x.view(1, -1, D).float().chunk(2, dim=-1)
-    first = x1 * c + x2 * s if flip else x1 * c - x2 * s
-    return torch.cat([first, x2 * c + x1 * s], dim=-1).to(x.dtype).view(1, -1)
+    first = x1 * c + x2 * s if form == "flip" else x1 * c - x2 * s
+    second = x2 * c + x1 * s
+    halves = [second, first] if form == "halves_swapped" else [first, second]
+    return torch.cat(halves, dim=-1).to(x.dtype).view(1, -1)
 
 
 def _attention_inputs(a, b, norm_w, w, cos, sin):
     return _attention_inputs_as(a, b, norm_w, w, cos, sin)
 
 
-def _attention_inputs_as(a, b, norm_w, w, cos, sin, *, flip=False, keep_product=False):
+def _attention_inputs_as(a, b, norm_w, w, cos, sin, *, form="rotate_half", extra=None):
     h = a + b
     qkv = torch.nn.functional.linear(_norm(h, norm_w), w)
-    q, k = _rotate(aten.slice(qkv, 1, 0, Q + KV), cos, sin, flip=flip).split([Q, KV], dim=-1)
+    q, k = _rotate(aten.slice(qkv, 1, 0, Q + KV), cos, sin, form=form).split([Q, KV], dim=-1)
     out = (q, k, aten.slice(qkv, 1, Q + KV, 128), h)
-    return (*out, qkv) if keep_product else out
+    if extra == "product":  # the unrotated q and k columns are read as well
+        return (*out, qkv)
+    if extra == "overlap":  # a slice from inside the rotated columns
+        return (*out, aten.slice(qkv, 1, Q + KV - 8, 128))
+    return out
 
 
 def _fold_rope(gm: fx.GraphModule) -> int:
@@ -373,20 +389,46 @@ def test_rotary_epilogue_without_a_residual():
 @pytest.mark.parametrize(
     "variant",
     [
-        {"flip": True},  # x1 cos + x2 sin first: not the rotate-half rotary
-        {"keep_product": True},  # the unrotated q and k columns are read as well
+        {"form": "flip"},  # x1 cos + x2 sin first: not the rotate-half rotary
+        {"form": "halves_swapped"},  # cat([x2 cos + x1 sin, x1 cos - x2 sin])
+        {"form": "sin_for_cos"},  # x2 sin + x1 sin in the second half
+        {"form": "4d"},  # the same terms over [1, 1, H, D/2]: cat(dim=2) joins heads
+        {"form": "rotate_half", "tables": torch.float64},  # the kernel reads fp32/bf16/fp16
+        {"extra": "product"},
+        {"extra": "overlap"},
     ],
+    ids=lambda v: "-".join(str(x) for x in v.values()),
 )
 def test_other_rotaries_stay(variant):
+    variant = dict(variant)
+    tables = variant.pop("tables", torch.float32 if variant.get("form") == "4d" else BF16)
+
     def fn(a, b, norm_w, w, cos, sin):
         return _attention_inputs_as(a, b, norm_w, w, cos, sin, **variant)
 
-    gm = _graph(fn, *QKV_SHAPES)
+    gm = _graph(fn, *QKV_SHAPES, dtypes=[BF16] * 4 + [tables] * 2)
     assert RmsNormGemvPass()(gm.graph) == 1
     before = gm.graph.python_code("self").src
     assert RotaryEpiloguePass()(gm.graph) == 0
     assert gm.graph.python_code("self").src == before
     assert _targets(gm)[ops.add_rms_norm_gemv_rope.default] == 0
+
+
+def test_per_head_tables_stay():
+    """Tables of [1, H, D/2] (one row per head) are not one position's cos and sin."""
+
+    def fn(a, b, norm_w, w, cos, sin):
+        h = a + b
+        qkv = torch.nn.functional.linear(_norm(h, norm_w), w)
+        x1, x2 = aten.slice(qkv, 1, 0, Q + KV).view(1, -1, D).float().chunk(2, dim=-1)
+        c, s = cos.float(), sin.float()
+        y = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(BF16).view(1, -1)
+        return y, aten.slice(qkv, 1, Q + KV, 128), h
+
+    heads = (Q + KV) // D
+    gm = _graph(fn, *QKV_SHAPES[:4], (1, heads, D // 2), (1, heads, D // 2))
+    assert RmsNormGemvPass()(gm.graph) == 1
+    assert RotaryEpiloguePass()(gm.graph) == 0
 
 
 def test_rotary_epilogue_runs_after_the_norm_fold():

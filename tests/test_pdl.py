@@ -122,12 +122,15 @@ def test_prologue_pdl_path_computes_what_the_normal_path_does(pdl_path_on_the_cp
 
     x, residual, weight, norm_w = randn(1, k), randn(1, k), randn(66, k), randn(k)
     gate_up = randn(1, 2 * k)
+    cos, sin = randn(1, 22).float().chunk(2, dim=-1)  # heads of 22 columns: 3 of the 66 rows
+    rotary = Rotary(cos, sin, 22, 44)
 
     def calls():
         return [
             *rms_norm_gemv(x, weight, norm_w, 1e-5, residual),
             rms_norm_gemv(x, weight, norm_w, 1e-5)[0],
             *rms_norm_gemv(x, weight, norm_w, 1e-5, residual, epilogue="silu_mul"),
+            *rms_norm_gemv(x, weight, norm_w, 1e-5, residual, epilogue="rope", rotary=rotary),
             silu_mul_gemv(gate_up, weight),
         ]
 

@@ -366,6 +366,13 @@ def test_prologue_configs(rows, k, glu):
             ValueError,
             "epilogue='rope' streams block_n / 2 pairs",
         ),
+        (
+            lambda x, w, nw, r: rms_norm_gemv(
+                x, w, nw, 1e-5, epilogue="rope", rotary=tuple(_rotary(8, 8, torch.float32))
+            ),
+            TypeError,
+            r"rotary must be a Rotary\(cos, sin, head_size, rotated\), got tuple",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected(call, error, message):

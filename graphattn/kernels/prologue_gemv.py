@@ -162,11 +162,11 @@ def _launch(
         config = choose_gemv_config(1, rows, k, 1)  # the one-row configs do not depend on SMs
     elif config is None:
         config = choose_prologue_config(rows, k, glu=glu)
-    elif config.split_k != 1 or config.dot:
+    if config.split_k != 1 or config.dot:
         raise ValueError(
             f"a prologue GEMV runs one K split on the CUDA cores, got config {config.label}"
         )
-    elif epilogue != NO_EPILOGUE and config.block_n < 2:
+    if epilogue != NO_EPILOGUE and config.block_n < 2:
         raise ValueError(
             f"epilogue={EPILOGUES[epilogue]!r} streams block_n / 2 pairs of weight rows, so "
             f"block_n must be at least 2, got config {config.label}"
@@ -237,6 +237,10 @@ def _check_epilogue(
 
 
 def _check_rotary(rotary: Rotary, weight: torch.Tensor, x: torch.Tensor) -> None:
+    if not isinstance(rotary, Rotary):
+        raise TypeError(
+            f"rotary must be a Rotary(cos, sin, head_size, rotated), got {type(rotary).__name__}"
+        )
     d, rotated, n = rotary.head_size, rotary.rotated, weight.shape[0]
     if not (isinstance(d, int) and d >= 2 and d % 2 == 0):
         raise ValueError(f"rotary.head_size must be an even int >= 2, got {d!r}")
