@@ -70,7 +70,7 @@ NO_EPILOGUE, GLU, ROPE = 0, 1, 2  # the kernel's EPILOGUE
 
 class Rotary(NamedTuple):
     """The rotary embedding of ``epilogue="rope"``: the step's one position's ``cos`` and
-    ``sin`` (``[1, head_size / 2]`` or ``[head_size / 2]``, any float dtype, unit last
+    ``sin`` (``[1, head_size / 2]`` or ``[head_size / 2]``, fp32, bf16 or fp16, unit last
     stride), the head size, and how many leading output columns rotate (whole heads)."""
 
     cos: torch.Tensor
