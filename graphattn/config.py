@@ -34,6 +34,19 @@ def parse_dtype(value: torch.dtype | str | None, what: str) -> torch.dtype | Non
     raise ConfigError(f"{what} must be one of {sorted(_DTYPES)} or a torch dtype, got {value!r}")
 
 
+# The post-grad passes on by default (graphattn.passes.pass_manager knows them all). The GEMV
+# passes touch only one-token builds (compile_sizes). silu_mul_gemv is opt-in: on an H200 it
+# measured on par with the kernels it replaces (passes/prologue_gemv.py).
+DEFAULT_PASSES = (
+    "noop_elimination",
+    "unfuse_residual_addmm",
+    "rms_norm_gemv",
+    "silu_mul_epilogue",
+    "rope_epilogue",
+    "single_row_gemv",
+)
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """How ``ga.compile`` builds an engine. Every field is checked in ``__post_init__``.
@@ -85,14 +98,7 @@ class CompileConfig:
     compile_backend: str = "inductor"
     compile_sizes: tuple[int, ...] | None = None
     splitting_ops: tuple[str, ...] | None = None
-    passes: tuple[str, ...] = (
-        "noop_elimination",
-        "unfuse_residual_addmm",
-        "rms_norm_gemv",
-        "silu_mul_epilogue",
-        "rope_epilogue",
-        "single_row_gemv",
-    )
+    passes: tuple[str, ...] = DEFAULT_PASSES
     cache_dir: str | None = None
     trace_cache: bool = True
     debug_dump_path: str | None = None

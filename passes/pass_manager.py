@@ -18,6 +18,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphattn._logging import logger
+from graphattn.config import DEFAULT_PASSES  # noqa: F401  (re-exported: the passes' home)
 from graphattn.errors import ConfigError
 
 
@@ -117,15 +118,3 @@ def _check_order(names: list[str]) -> None:
                 f"post-grad pass {first!r} must come before {then!r} (got {names}): it rewrites "
                 f"what {then!r} matches"
             )
-
-
-# The GEMV passes touch only one-token builds (compile_sizes). silu_mul_gemv is opt-in: on
-# an H200 it measured on par with the kernels it replaces (passes/prologue_gemv.py).
-DEFAULT_PASSES = (
-    "noop_elimination",
-    "unfuse_residual_addmm",
-    "rms_norm_gemv",
-    "silu_mul_epilogue",
-    "rope_epilogue",
-    "single_row_gemv",
-)
