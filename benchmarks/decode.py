@@ -119,6 +119,7 @@ class Settings:
     time_limit_s: float
     max_seqs: int | None = None  # max_num_seqs; None: the most requests a part puts in a step
     profile_startup: str | None = None  # folder for the start-up processes' cProfile output
+    isolate: bool = False  # each configuration in its own process (see ISOLATION)
 
     @property
     def part_engines(self) -> dict[str, tuple[str, ...]]:
@@ -1195,7 +1196,7 @@ def settings_from_json(d: dict) -> Settings:
 
 def run(s: Settings, out_path: Path, plot_path: Path | None) -> int:
     """Every selected part, start-up first: its processes get the GPU to themselves and
-    leave a warm graphattn compile cache that the engines of this process then load.
+    leave a warm graphattn compile cache that the engines built after them then load.
     """
     if s.smoke:
         print(SMOKE_NOTE, flush=True)
@@ -1206,7 +1207,8 @@ def run(s: Settings, out_path: Path, plot_path: Path | None) -> int:
         if "startup" in s.parts:
             run_startup(s, res, root)
         if {"floor", "latency", "trace", "mixed", "host"} & set(s.parts):
-            run_in_process(s, res, deadline, str(root / "graphattn"))
+            run_configs = run_isolated if s.isolate else run_in_process
+            run_configs(s, res, deadline, str(root / "graphattn"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     log("done")
@@ -1219,23 +1221,140 @@ def run(s: Settings, out_path: Path, plot_path: Path | None) -> int:
     return 0
 
 
-def run_in_process(s: Settings, res: Results, deadline: Deadline, cache_dir: str) -> None:
-    model = build_model(s)
-    if "floor" in s.parts:
+ISOLATION = (
+    "each configuration (the floor, each graphattn engine, the baselines together) ran in "
+    "its own process, one after another: a CUDA graph replays slower in a process that has "
+    "captured many other graphs (the PIECEWISE engine's hundreds made a FULL engine built "
+    "after it 1-2% slower at batch 1 and 5% at batch 8 on an H200; docs/performance.md, "
+    "'Graphs in the process'), so no configuration pays for the graphs of the ones before it"
+)
+
+
+def configurations(s: Settings) -> list[str]:
+    """The run's configurations in order: "floor", "engine:KEY"..., "baselines"."""
+    jobs = ["floor"] if "floor" in s.parts else []
+    jobs += [f"engine:{key}" for key, _ in engine_schedule(s)]
+    if ("latency" in s.parts and s.baselines) or (
+        "trace" in s.parts and "reduce-overhead" in s.baselines
+    ):
+        jobs.append("baselines")
+    return jobs
+
+
+def run_config(model, job: str, s: Settings, res: Results, deadline: Deadline, cache_dir: str):
+    """One configuration of ``configurations(s)``, in this process."""
+    kind, _, key = job.partition(":")
+    if kind == "floor":
         try:
             res.put("floor", "result", measure_floor(model, s))
         except Exception as e:
             res.put("floor", "result", {"status": res.error("floor", e)})
         res.save()
-    for key, parts in engine_schedule(s):
+    elif kind == "engine":
+        parts = dict(engine_schedule(s))[key]
         if deadline.passed():
-            for part in parts:
-                place(res, part, ENGINE_SPECS[key], {"status": deadline.status})
-            continue
-        run_graphattn(model, key, parts, s, res, cache_dir)
-    run_baselines(model, s, res, deadline)
+            skip_engine(res, key, parts, deadline.status)
+        else:
+            run_graphattn(model, key, parts, s, res, cache_dir)
+    else:
+        run_baselines(model, s, res, deadline)
+
+
+def skip_engine(res: Results, key: str, parts: list[str], status: str) -> None:
+    for part in parts:
+        place(res, part, ENGINE_SPECS[key], {"status": status})
+
+
+def run_in_process(s: Settings, res: Results, deadline: Deadline, cache_dir: str) -> None:
+    """Every configuration in this process (``--no-isolate``; the smoke run's default)."""
+    model = build_model(s)
+    for job in configurations(s):
+        run_config(model, job, s, res, deadline, cache_dir)
     del model
     release(s.device)
+
+
+def run_isolated(s: Settings, res: Results, deadline: Deadline, cache_dir: str) -> None:
+    """Every configuration in a fresh process of this script (``--config-child``), its
+    results merged into ``res`` (see ``ISOLATION``)."""
+    res.data["meta"]["isolation"] = ISOLATION
+    work = Path(tempfile.mkdtemp(prefix="graphattn-configs-"))
+    try:
+        for n, job in enumerate(configurations(s)):
+            kind, _, key = job.partition(":")
+            if kind == "engine" and deadline.passed():
+                skip_engine(res, key, dict(engine_schedule(s))[key], deadline.status)
+                continue
+            out = work / f"{n}.json"
+            left = dataclasses.replace(s, time_limit_s=max(0.0, deadline.left()), isolate=False)
+            spec = {"settings": settings_to_json(left), "job": job, "cache_dir": cache_dir}
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--config-child",
+                json.dumps(spec),
+            ]
+            log(f"{job}: own process")
+            proc = subprocess.run([*cmd, "--out", str(out)], stdout=subprocess.DEVNULL)
+            if out.exists():
+                merge_child(res, json.loads(out.read_text()))
+            if proc.returncode != 0 or not out.exists():
+                fail_config(res, job, s, f"unavailable: its process exited {proc.returncode}")
+            res.save()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def config_child(spec_json: str, out: Path) -> int:
+    """``--config-child``: run one configuration; its results go to ``out`` (JSON)."""
+    spec = json.loads(spec_json)
+    s = settings_from_json(spec["settings"])
+    limit_cpu_threads(s)
+    res = Results(out, {"config": spec["job"]})
+    deadline = Deadline(s.time_limit_s, res.start)
+    model = build_model(s)
+    run_config(model, spec["job"], s, res, deadline, spec["cache_dir"])
+    res.save()
+    return 0
+
+
+def merge_child(res: Results, child: dict) -> None:
+    """A configuration process's results into the run's: rows appended, entries set."""
+    for part, entry in child.items():
+        if part == "meta":
+            continue
+        if part == "errors":
+            res.data["errors"] += entry
+        elif isinstance(entry, dict):
+            for key, value in entry.items():
+                if key == "rows":
+                    res.data.setdefault(part, {}).setdefault("rows", []).extend(value)
+                else:
+                    res.put(part, key, value)
+
+
+def fail_config(res: Results, job: str, s: Settings, status: str) -> None:
+    """Mark what ``job`` should have measured and did not write as ``status``."""
+    res.data["errors"].append({"where": job, "status": status, "traceback": ""})
+    log(f"{job}: {status}")
+    kind, _, key = job.partition(":")
+    if kind == "floor":
+        res.data.setdefault("floor", {}).setdefault("result", {"status": status})
+    elif kind == "engine":
+        spec = ENGINE_SPECS[key]
+        for part in dict(engine_schedule(s))[key]:
+            done = {r.get("label") for r in res.data.get(part, {}).get("rows", [])}
+            if part in ("latency", "mixed") and spec.label in done:
+                continue
+            if part in ("trace", "host") and "graphattn" in res.data.get(part, {}):
+                continue
+            place(res, part, spec, {"status": status})
+    else:
+        done = {r.get("label") for r in res.data.get("latency", {}).get("rows", [])}
+        if "latency" in s.parts:
+            for kind_ in s.baselines:
+                if BASELINE_LABELS[kind_] not in done:
+                    res.add_row("latency", {"label": BASELINE_LABELS[kind_], "status": status})
 
 
 @dataclass
@@ -1409,6 +1528,12 @@ def table_latency(data: dict) -> list[str]:
         f"warm-up; context {s['context']})",
         "  step: engine.step of B one-token decodes + compute_logits + greedy argmax (baseline: "
         "forward + argmax, compiled together); fresh random tokens; JSON meta.step_definition",
+        "  processes: "
+        + (
+            "one per configuration (JSON meta.isolation)"
+            if data["meta"].get("isolation")
+            else "every configuration in one process (--no-isolate)"
+        ),
     ]
     rows = []
     for row in sorted(lat.get("rows", []), key=row_order):
@@ -1742,7 +1867,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", help="also write the latency plot (PNG) here")
     p.add_argument("--plot-only", metavar="JSON", help="plot (to --plot) from a saved JSON")
     p.add_argument("--table-only", metavar="JSON", help="print the table of a saved JSON")
+    p.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        help="each configuration in its own process (default: on with CUDA, off for --smoke)",
+    )
     p.add_argument("--startup-child", help=argparse.SUPPRESS)
+    p.add_argument("--config-child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -1778,6 +1909,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         time_limit_s=a.time_limit,
         max_seqs=a.max_num_seqs,
         profile_startup=a.profile_startup,
+        isolate=a.isolate if a.isolate is not None else (device == "cuda" and not a.smoke),
     )
 
 
@@ -1802,6 +1934,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.startup_child:
         return startup_child(a.startup_child)
+    if a.config_child:
+        return config_child(a.config_child, Path(a.out))
     if a.plot_only or a.table_only:
         data = json.loads(Path(a.plot_only or a.table_only).read_text())
         if a.plot_only:

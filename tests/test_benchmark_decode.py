@@ -76,3 +76,32 @@ def test_bench_subcommand_prints_the_table_last(smoke_run, capsys):
     assert lines[-1] == decode.SMOKE_NOTE
     assert any(line.startswith("decode step latency") for line in lines)
     assert png.stat().st_size > 0
+
+
+def test_isolate_runs_each_configuration_in_its_own_process(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    args = [*QUICK, "--parts", "floor,latency", "--modes", "eager", "--baselines", "eager"]
+    assert decode.main([*args, "--isolate", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["label"]: r for r in data["latency"]["rows"]}
+    assert set(rows) == {"graphattn eager", "baseline eager"}
+    assert all(r["status"] == "ok" and all(v > 0 for v in r["ms"].values()) for r in rows.values())
+    assert rows["graphattn eager"]["resolved_mode"] == "NONE"  # the engine entry came along
+    assert data["floor"]["result"]["copy_bytes_per_s"] > 0
+    assert "own process" in data["meta"]["isolation"] and data["errors"] == []
+    assert "processes: one per configuration" in capsys.readouterr().out
+
+
+def test_a_configuration_process_that_fails_is_recorded(tmp_path, monkeypatch):
+    out = tmp_path / "decode.json"
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # every child exits 1 at once
+    args = [*QUICK, "--parts", "floor,latency", "--modes", "eager", "--baselines", "eager"]
+    assert decode.main([*args, "--isolate", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    status = "unavailable: its process exited 1"
+    assert {r["label"]: r["status"] for r in data["latency"]["rows"]} == {
+        "graphattn eager": status,
+        "baseline eager": status,
+    }
+    assert data["floor"]["result"] == {"status": status}
+    assert [e["where"] for e in data["errors"]] == ["floor", "engine:eager", "baselines"]
