@@ -105,3 +105,30 @@ def test_a_configuration_process_that_fails_is_recorded(tmp_path, monkeypatch):
     }
     assert data["floor"]["result"] == {"status": status}
     assert [e["where"] for e in data["errors"]] == ["floor", "engine:eager", "baselines"]
+
+
+def test_graph_count_probe_times_the_target_before_and_after(tmp_path):
+    from benchmarks import graph_count
+
+    out = tmp_path / "graph_count.json"
+    args = ["--smoke", "--target", "eager", "--before", "eager", "--batches", "1,2"]
+    assert graph_count.main([*args, "--target-first", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["after"]["eager"] == {"engine_alive": False, "live_cuda_graphs": 0}
+    for key in ("target_first_ms", "target_again_ms"):
+        assert set(data[key]) == {"1", "2"} and all(v > 0 for v in data[key].values())
+    assert set(data["by_batch"]) == {"1", "2"}
+    assert all(e["median_ms"] > 0 for e in data["by_batch"].values())
+
+
+@pytest.mark.gpu
+def test_graph_count_probe_on_the_gpu(tmp_path):
+    """The probe's CUDA path: a FULL engine, dummy graphs, kernels and gaps profiled."""
+    from benchmarks import graph_count
+
+    out = tmp_path / "graph_count.json"
+    args = ["--smoke", "--target", "FULL", "--target-first", "--dummy-graphs", "20"]
+    assert graph_count.main([*args, "--batches", "1", "--out", str(out)]) == 0
+    entry = json.loads(out.read_text())["by_batch"]["1"]
+    assert entry["median_ms"] > 0 and entry["kernels"] and entry["gaps"]
+    assert all(r["per_step"] > 0 for r in entry["kernels"])

@@ -1,0 +1,194 @@
+"""Does a FULL graph replay slower once the process holds other graphs? (CUDA)
+
+Times one engine's decode step (``--target``, default FULL; median of the decode benchmark's
+timed steps, CUDA events) in a process that first built, ran and deleted the ``--before``
+engines, then profiles 30 steps and prints the kernels and the largest gaps between them.
+``--target-first`` also times the target before anything else is built and again after,
+so one engine is compared with itself; ``--dummy-graphs N`` captures (and replays once) N
+graphs of six small kernels at that point, kept alive with ``--keep-dummies``.
+
+    python benchmarks/graph_count.py                              # FULL alone
+    python benchmarks/graph_count.py --before eager,NONE,PIECEWISE
+    python benchmarks/graph_count.py --target-first --dummy-graphs 1000
+    python benchmarks/graph_count.py --smoke --target eager --before eager  # CPU plumbing
+
+The engines, model and decode steps are the decode benchmark's (``benchmarks/decode.py``).
+docs/performance.md ("Graphs in the process") has what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import sys
+import warnings
+import weakref
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import graphattn as ga
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+from benchmarks import decode as D  # noqa: E402
+from benchmarks.profile_decode import _short  # noqa: E402
+
+PROFILED_STEPS = 30
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--before", default="", help="engines built, run and deleted first")
+    p.add_argument("--target", default="FULL", help="the engine timed last")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--target-first", action="store_true", help="also time the target first")
+    p.add_argument("--dummy-graphs", type=int, default=0, help="small graphs to capture (CUDA)")
+    p.add_argument("--keep-dummies", action="store_true")
+    p.add_argument("--cache-dir", default=None, help="graphattn cache_dir (default: none)")
+    p.add_argument("--smoke", action="store_true", help="the decode benchmark's tiny model")
+    p.add_argument("--out", help="JSON path")
+    return p.parse_args(argv)
+
+
+class Probe:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.batches = [int(b) for b in a.batches.split(",")]
+        args = ["--parts", "latency", "--baselines", "", "--batch-sizes", a.batches]
+        self.s = D.settings_from_args(
+            D.parse_args([*args, "--modes", a.target, *(["--smoke"] if a.smoke else [])])
+        )
+        self.cache_dir = a.cache_dir
+        self.model = D.build_model(self.s)
+
+    def engine(self, key: str):
+        """Build ``key``'s engine and prefill the rows the batches decode."""
+        D.release(self.s.device)
+        spec = D.ENGINE_SPECS[key]
+        engine = ga.compile(self.model, **self.s.engine_kwargs(spec), cache_dir=self.cache_dir)
+        rng = np.random.default_rng(0)
+        pool = D.RequestPool(engine, self.s)
+        pool.prefill(engine, list(range(max(self.batches))), rng, self.s)
+        return engine, pool, rng
+
+    def time(self, engine, pool, rng) -> dict[int, float]:
+        return {
+            b: D.time_graphattn_batch(engine, pool, b, self.s, rng)["median_ms"]
+            for b in self.batches
+        }
+
+    def run_and_delete(self, key: str) -> dict:
+        engine, pool, rng = self.engine(key)
+        self.time(engine, pool, rng)
+        alive = weakref.ref(engine)
+        del engine, pool
+        D.release(self.s.device)
+        with warnings.catch_warnings():  # isinstance on some torch objects warns
+            warnings.simplefilter("ignore")
+            graphs = sum(isinstance(o, torch.cuda.CUDAGraph) for o in gc.get_objects())
+        state = {"engine_alive": alive() is not None, "live_cuda_graphs": graphs}
+        if self.s.device == "cuda":
+            state["allocated_mib"] = torch.cuda.memory_allocated() / 2**20
+        return state
+
+    def profile(self, engine, pool, rng, b: int) -> dict:
+        """Kernels and the gaps between consecutive kernels, per step, over 30 steps."""
+        tokens = D.random_tokens(rng, self.model.vocab_size, (PROFILED_STEPS + 10, b))
+        step = D.graphattn_decode(engine, pool, slice(0, b), tokens)
+        for i in range(10):
+            step(i)
+        D.synchronize(self.s.device)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.s.device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(10, PROFILED_STEPS + 10):
+                step(i)
+            D.synchronize(self.s.device)
+        kernels = sorted(
+            (e.time_range.start, e.time_range.end, _short(e.name))
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
+        )
+        by_name, gaps = defaultdict(list), defaultdict(list)
+        for start, end, name in kernels:
+            by_name[name].append(end - start)
+        for (_, end, first), (start, _, then) in itertools.pairwise(kernels):
+            gaps[f"{first[:40]} -> {then[:40]}"].append(start - end)
+        return {"kernels": per_step(by_name), "gaps": per_step(gaps)}
+
+
+def per_step(times: dict[str, list[float]]) -> list[dict]:
+    rows = [
+        {"name": k, "per_step": len(v) / PROFILED_STEPS, "us_per_step": sum(v) / PROFILED_STEPS}
+        for k, v in times.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def capture_dummy_graphs(n: int) -> list[torch.cuda.CUDAGraph]:
+    """``n`` graphs of six pointwise kernels each, each replayed once."""
+    x = torch.randn(64, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm the kernels outside any capture
+        (x * 2 + 1).relu()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for _ in range(n):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = x
+            for _ in range(6):
+                y = (y * 1.001 + 0.5).relu()
+        graph.replay()
+        graphs.append(graph)
+    torch.cuda.synchronize()
+    return graphs
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.dummy_graphs and not torch.cuda.is_available():
+        raise SystemExit("--dummy-graphs needs CUDA")
+    probe = Probe(a)
+    out: dict = {"before": a.before, "target": a.target, "device": probe.s.device}
+    if a.target_first:
+        first = probe.engine(a.target)
+        out["target_first_ms"] = probe.time(*first)
+        print(f"{a.target} first: {out['target_first_ms']} ms")
+    dummies = capture_dummy_graphs(a.dummy_graphs) if a.dummy_graphs else []
+    if not a.keep_dummies:
+        dummies.clear()
+    out["after"] = {key: probe.run_and_delete(key) for key in a.before.split(",") if key}
+    for key, state in out["after"].items():
+        print(f"after {key}: {state}")
+    if a.target_first:
+        out["target_again_ms"] = probe.time(*first)
+        print(f"{a.target} again: {out['target_again_ms']} ms")
+    engine, pool, rng = probe.engine(a.target)
+    out["by_batch"] = {}
+    for b, ms in probe.time(engine, pool, rng).items():
+        entry = {"median_ms": ms} | probe.profile(engine, pool, rng, b)
+        out["by_batch"][str(b)] = entry
+        kernel_us = sum(r["us_per_step"] for r in entry["kernels"])
+        count = sum(r["per_step"] for r in entry["kernels"])
+        print(
+            f"{a.before or 'alone'} -> {a.target} bs {b}: {ms:.4f} ms; kernels {count:.0f}, {kernel_us:.1f} us"
+        )
+        for r in entry["kernels"][:10]:
+            print(f"   {r['us_per_step']:8.1f} us {r['per_step']:5.1f}x {r['name']}")
+        for r in entry["gaps"][:10]:
+            print(f"   gap {r['us_per_step']:6.1f} us {r['per_step']:5.1f}x {r['name']}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
