@@ -5,11 +5,14 @@ timed steps, CUDA events) in a process that first built, ran and deleted the ``-
 engines, then profiles 30 steps and prints the kernels and the largest gaps between them.
 ``--target-first`` also times the target before anything else is built and again after,
 so one engine is compared with itself; ``--dummy-graphs N`` captures (and replays once) N
-graphs of six small kernels at that point, kept alive with ``--keep-dummies``.
+graphs of six small kernels at that point, kept alive with ``--keep-dummies``;
+``--replay-piecewise`` runs one step at each of the target's PIECEWISE sizes before timing
+it (FULL_AND_PIECEWISE: do its own piecewise graphs, once replayed, slow its FULL steps?).
 
     python benchmarks/graph_count.py                              # FULL alone
     python benchmarks/graph_count.py --before eager,NONE,PIECEWISE
     python benchmarks/graph_count.py --target-first --dummy-graphs 1000
+    python benchmarks/graph_count.py --target FULL_AND_PIECEWISE --replay-piecewise
     python benchmarks/graph_count.py --smoke --target eager --before eager  # CPU plumbing
 
 The engines, model and decode steps are the decode benchmark's (``benchmarks/decode.py``).
@@ -50,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-first", action="store_true", help="also time the target first")
     p.add_argument("--dummy-graphs", type=int, default=0, help="small graphs to capture (CUDA)")
     p.add_argument("--keep-dummies", action="store_true")
+    p.add_argument(
+        "--replay-piecewise",
+        action="store_true",
+        help="before timing the target, run one step at each of its PIECEWISE capture sizes",
+    )
     p.add_argument("--cache-dir", default=None, help="graphattn cache_dir (default: none)")
     p.add_argument("--smoke", action="store_true", help="the decode benchmark's tiny model")
     p.add_argument("--out", help="JSON path")
@@ -123,6 +131,22 @@ class Probe:
         return {"kernels": per_step(by_name), "gaps": per_step(gaps)}
 
 
+def replay_piecewise(probe: Probe, engine, pool, rng) -> int:
+    """One prefill step at each PIECEWISE capture size of ``engine`` (chunks of at most the
+    context, rows from 0); returns how many steps ran PIECEWISE (a one-token step is a
+    uniform decode, which FULL_AND_PIECEWISE runs FULL)."""
+    before = engine.stats.runtime_modes["PIECEWISE"]
+    context = probe.s.context
+    for size in engine.report.capture.get("sizes", {}).get("PIECEWISE", []):
+        chunks = [
+            (row, 0, min(context, size - done)) for row, done in enumerate(range(0, size, context))
+        ]
+        tokens = D.random_tokens(rng, probe.model.vocab_size, size)
+        engine.step(pool.chunk_batch(chunks, tokens))
+    D.synchronize(probe.s.device)
+    return engine.stats.runtime_modes["PIECEWISE"] - before
+
+
 def per_step(times: dict[str, list[float]]) -> list[dict]:
     rows = [
         {"name": k, "per_step": len(v) / PROFILED_STEPS, "us_per_step": sum(v) / PROFILED_STEPS}
@@ -172,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         out["target_again_ms"] = probe.time(*first)
         print(f"{a.target} again: {out['target_again_ms']} ms")
     engine, pool, rng = probe.engine(a.target)
+    if a.replay_piecewise:
+        out["piecewise_steps"] = replay_piecewise(probe, engine, pool, rng)
+        print(f"{a.target}: {out['piecewise_steps']} PIECEWISE steps at its capture sizes")
     out["by_batch"] = {}
     for b, ms in probe.time(engine, pool, rng).items():
         entry = {"median_ms": ms} | probe.profile(engine, pool, rng, b)

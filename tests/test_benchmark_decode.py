@@ -112,8 +112,9 @@ def test_graph_count_probe_times_the_target_before_and_after(tmp_path):
 
     out = tmp_path / "graph_count.json"
     args = ["--smoke", "--target", "eager", "--before", "eager", "--batches", "1,2"]
-    assert graph_count.main([*args, "--target-first", "--out", str(out)]) == 0
+    assert graph_count.main([*args, "--target-first", "--replay-piecewise", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert data["piecewise_steps"] == 0  # the CPU engine has no graphs
     assert data["after"]["eager"] == {"engine_alive": False, "live_cuda_graphs": 0}
     for key in ("target_first_ms", "target_again_ms"):
         assert set(data[key]) == {"1", "2"} and all(v > 0 for v in data[key].values())
@@ -132,3 +133,15 @@ def test_graph_count_probe_on_the_gpu(tmp_path):
     entry = json.loads(out.read_text())["by_batch"]["1"]
     assert entry["median_ms"] > 0 and entry["kernels"] and entry["gaps"]
     assert all(r["per_step"] > 0 for r in entry["kernels"])
+
+
+@pytest.mark.gpu
+def test_graph_count_probe_replays_every_piecewise_size(tmp_path):
+    from benchmarks import graph_count
+
+    out = tmp_path / "graph_count.json"
+    args = ["--smoke", "--target", "FULL_AND_PIECEWISE", "--replay-piecewise", "--batches", "1"]
+    assert graph_count.main([*args, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["piecewise_steps"] > 1  # every capture size but 1 (a decode: FULL) replayed
+    assert data["by_batch"]["1"]["median_ms"] > 0
