@@ -232,12 +232,18 @@ def test_pdl_follows_the_device_and_the_environment(fresh_pdl):
     assert not pdl.use_pdl(device) and pdl.launch_options(device) == {}
 
 
-def _chain(x, residual, norm_w, weights, table):
-    """One layer's GEMVs, each reading the last: add + norm -> qkv-like with the rotary
-    epilogue (cos and sin from ``table``), gemv, add + norm -> gate_up with the SiLU-mul
-    epilogue, gemv (down); then again, from the new residual."""
-    cos, sin = table.chunk(2, dim=-1)
+TABLE_TILES = GemvConfig(block_n=4, block_k=256)
+
+
+def _chain(x, residual, norm_w, weights, table_w):
+    """One layer's GEMVs, each reading the last: a GEMV of the layer's input makes the
+    rotary table, add + norm -> qkv-like with the rotary epilogue (cos and sin from that
+    table), gemv, add + norm -> gate_up with the SiLU-mul epilogue, gemv (down); then
+    again, from the new residual. The table comes from the PDL launch just before the qkv
+    GEMV, so a table load moved before the PDL wait would read a stale table."""
     for qkv, o, gate_up, down in weights:
+        table = gemv(x, table_w, config=TABLE_TILES)  # one launch, no split-K sum after it
+        cos, sin = table.chunk(2, dim=-1)
         rotary = Rotary(cos, sin, 2 * cos.shape[-1], 2 * o.shape[1])  # q and k of [q | k | v]
         a, residual = rms_norm_gemv(x, qkv, norm_w, 1e-5, residual, epilogue="rope", rotary=rotary)
         b = gemv(a[:, : o.shape[1]], o)
@@ -264,29 +270,28 @@ def test_pdl_chain_in_a_cuda_graph_matches_normal_launches(fresh_pdl):
         (randn(3 * k, k), randn(k, k), randn(2 * inner, k), randn(k, inner)) for _ in range(4)
     ]
     norm_w = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).bfloat16()
-    # the graph's inputs, refilled before each replay (the table as a step's positions move)
-    x, residual, table = randn(1, k), randn(1, k), randn(1, 128)
+    table_w = randn(128, k)  # each layer's rotary table: a GEMV of its input (see _chain)
+    x, residual = randn(1, k), randn(1, k)  # the graph's inputs, refilled before each replay
     fresh_pdl.setenv("GRAPHATTN_PDL", "1")
     assert pdl.use_pdl(device)
-    _chain(x, residual, norm_w, weights, table)  # compile outside the graph
+    _chain(x, residual, norm_w, weights, table_w)  # compile outside the graph
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, res = _chain(x, residual, norm_w, weights, table)
+        out, res = _chain(x, residual, norm_w, weights, table_w)
     replays = []
     for _ in range(4):
         x.copy_(randn(1, k))
         residual.copy_(randn(1, k))
-        table.copy_(randn(1, 128))
         out.fill_(float("nan"))
         res.fill_(float("nan"))
         graph.replay()
-        replays.append((x.clone(), residual.clone(), table.clone(), out.clone(), res.clone()))
+        replays.append((x.clone(), residual.clone(), out.clone(), res.clone()))
     torch.cuda.synchronize(device)
     pdl.use_pdl.cache_clear()
     fresh_pdl.setenv("GRAPHATTN_PDL", "0")
     assert not pdl.use_pdl(device)
-    for x_in, res_in, table_in, got, got_res in replays:
-        want, want_res = _chain(x_in, res_in, norm_w, weights, table_in)
+    for x_in, res_in, got, got_res in replays:
+        want, want_res = _chain(x_in, res_in, norm_w, weights, table_w)
         assert not got.isnan().any()
         assert torch.equal(got, want) and torch.equal(got_res, want_res)
