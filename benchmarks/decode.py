@@ -1352,9 +1352,12 @@ def fail_config(res: Results, job: str, s: Settings, status: str) -> None:
     else:
         done = {r.get("label") for r in res.data.get("latency", {}).get("rows", [])}
         if "latency" in s.parts:
-            for kind_ in s.baselines:
-                if BASELINE_LABELS[kind_] not in done:
-                    res.add_row("latency", {"label": BASELINE_LABELS[kind_], "status": status})
+            for baseline in s.baselines:
+                if BASELINE_LABELS[baseline] not in done:
+                    res.add_row("latency", {"label": BASELINE_LABELS[baseline], "status": status})
+        trace = res.data.get("trace", {})
+        if "trace" in s.parts and "reduce-overhead" in s.baselines and "baseline" not in trace:
+            res.put("trace", "baseline", {"label": "baseline", "status": status})
 
 
 @dataclass
@@ -1935,6 +1938,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.startup_child:
         return startup_child(a.startup_child)
     if a.config_child:
+        if not a.out:
+            raise SystemExit("--config-child needs --out (where its results go)")
         return config_child(a.config_child, Path(a.out))
     if a.plot_only or a.table_only:
         data = json.loads(Path(a.plot_only or a.table_only).read_text())

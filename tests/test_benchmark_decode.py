@@ -95,14 +95,18 @@ def test_isolate_runs_each_configuration_in_its_own_process(tmp_path, capsys):
 def test_a_configuration_process_that_fails_is_recorded(tmp_path, monkeypatch):
     out = tmp_path / "decode.json"
     monkeypatch.setattr(sys, "executable", "/bin/false")  # every child exits 1 at once
-    args = [*QUICK, "--parts", "floor,latency", "--modes", "eager", "--baselines", "eager"]
+    args = [*QUICK, "--parts", "floor,latency,trace", "--modes", "eager"]
+    args += ["--baselines", "eager,reduce-overhead"]
     assert decode.main([*args, "--isolate", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     status = "unavailable: its process exited 1"
     assert {r["label"]: r["status"] for r in data["latency"]["rows"]} == {
         "graphattn eager": status,
         "baseline eager": status,
+        "baseline reduce-overhead": status,
     }
+    assert data["trace"]["graphattn"]["status"] == status  # the smoke trace's engine: eager
+    assert data["trace"]["baseline"]["status"] == status
     assert data["floor"]["result"] == {"status": status}
     assert [e["where"] for e in data["errors"]] == ["floor", "engine:eager", "baselines"]
 
