@@ -9,10 +9,13 @@ carry NaN, or a stale value, to the end).
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -138,6 +141,59 @@ def test_prologue_pdl_path_computes_what_the_normal_path_does(pdl_path_on_the_cp
     got = _with_pdl(pdl_path_on_the_cpu, calls)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+# Before its PDL wait a kernel may read only weights (pdl.py): no kernel of a step writes them.
+WEIGHT_POINTERS = {"w_ptrs", "up_ptrs"}
+
+
+def reads_before_the_wait(source: str) -> list[str]:
+    """What a Triton kernel's source does before its first ``gdc_wait()`` that may read or
+    write memory a kernel before it writes: a ``tl.load`` of anything but a weight tile, a
+    ``tl.store`` or atomic, or a call of a helper function (which may load); methods of
+    values (``x.to(...)``) and other ``tl`` functions touch no memory. In source order: the
+    kernels are straight-line code up to the wait."""
+    tree = ast.parse(textwrap.dedent(source))
+    calls = sorted(
+        (n for n in ast.walk(tree) if isinstance(n, ast.Call)),
+        key=lambda n: (n.lineno, n.col_offset),
+    )
+    found = []
+    for call in calls:
+        name = ast.unparse(call.func)
+        if name.endswith("gdc_wait"):
+            return found
+        if name == "tl.load":
+            pointer = call.args[0]
+            if not (isinstance(pointer, ast.Name) and pointer.id in WEIGHT_POINTERS):
+                found.append(ast.unparse(call))
+        elif name == "tl.store" or name.startswith("tl.atomic") or isinstance(call.func, ast.Name):
+            found.append(ast.unparse(call))  # a store, or a helper's call (it may load)
+    raise AssertionError("the kernel never calls gdc_wait()")
+
+
+def test_pdl_kernels_read_only_weights_before_the_wait():
+    """Every kernel launched with PDL: nothing but its first weight tile before the wait,
+    so the rotary tables, activations, metadata and caches are read after it."""
+    from graphattn.kernels import split_kv, unified_attention
+
+    kernels = (
+        gemv_module._gemv_kernel,
+        prologue_module._prologue_gemv_kernel,
+        unified_attention._attention_kernel,
+        split_kv._reduce_kernel,
+    )
+    for kernel in kernels:
+        assert reads_before_the_wait(inspect.getsource(kernel.fn)) == [], kernel.fn.__name__
+    # the control: the rope tables loaded before the wait are found
+    moved = inspect.getsource(prologue_module._prologue_gemv_kernel.fn).replace(
+        "        tl.extra.cuda.gdc_wait()\n",
+        "        cos = tl.load(cos_ptr + pairs % HALF)\n        tl.extra.cuda.gdc_wait()\n",
+        1,
+    )
+    assert reads_before_the_wait(moved) == ["tl.load(cos_ptr + pairs % HALF)"]
+    early = "def k(x_ptr, w_ptrs):\n    w = tl.load(w_ptrs)\n    a = _prologue(x_ptr)\n    tl.extra.cuda.gdc_wait()\n"
+    assert reads_before_the_wait(early) == ["_prologue(x_ptr)"]
 
 
 def compile_gemvs_for_hopper() -> list[dict]:
