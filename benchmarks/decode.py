@@ -24,6 +24,7 @@ import os
 import platform
 import pstats
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -120,6 +121,7 @@ class Settings:
     max_seqs: int | None = None  # max_num_seqs; None: the most requests a part puts in a step
     profile_startup: str | None = None  # folder for the start-up processes' cProfile output
     isolate: bool = False  # each configuration in its own process (see ISOLATION)
+    config_timeout_s: float = 900.0  # --isolate: a configuration's process is killed after it
 
     @property
     def part_engines(self) -> dict[str, tuple[str, ...]]:
@@ -531,6 +533,7 @@ def run_graphattn(model, key: str, parts: list[str], s: Settings, res: Results, 
             entry = {"status": res.error(f"{spec.label}: {part}", e)}
         place(res, part, spec, entry | {"stats_after": stats_of(engine)})
         res.data["wall_seconds"][f"{spec.label}: {part}"] = time.perf_counter() - t
+        res.save()  # a process that dies in a later part keeps this one
     info["stats"] = stats_of(engine)
     res.data["wall_seconds"][spec.label] = time.perf_counter() - start
     res.save()
@@ -1276,8 +1279,11 @@ def run_in_process(s: Settings, res: Results, deadline: Deadline, cache_dir: str
 
 def run_isolated(s: Settings, res: Results, deadline: Deadline, cache_dir: str) -> None:
     """Every configuration in a fresh process of this script (``--config-child``), its
-    results merged into ``res`` (see ``ISOLATION``)."""
+    results merged into ``res`` (see ``ISOLATION``). The processes share the run's clock:
+    ``--time-limit`` counts from the run's start in each of them."""
     res.data["meta"]["isolation"] = ISOLATION
+    run_start_wall = time.time() - (time.perf_counter() - deadline.start)
+    child_settings = settings_to_json(dataclasses.replace(s, isolate=False))
     work = Path(tempfile.mkdtemp(prefix="graphattn-configs-"))
     try:
         for n, job in enumerate(configurations(s)):
@@ -1286,32 +1292,54 @@ def run_isolated(s: Settings, res: Results, deadline: Deadline, cache_dir: str) 
                 skip_engine(res, key, dict(engine_schedule(s))[key], deadline.status)
                 continue
             out = work / f"{n}.json"
-            left = dataclasses.replace(s, time_limit_s=max(0.0, deadline.left()), isolate=False)
-            spec = {"settings": settings_to_json(left), "job": job, "cache_dir": cache_dir}
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--config-child",
-                json.dumps(spec),
-            ]
+            spec = {
+                "settings": child_settings,
+                "job": job,
+                "cache_dir": cache_dir,
+                "run_start_wall": run_start_wall,
+            }
             log(f"{job}: own process")
-            proc = subprocess.run([*cmd, "--out", str(out)], stdout=subprocess.DEVNULL)
+            status = run_config_process(spec, out, s.config_timeout_s)
             if out.exists():
-                merge_child(res, json.loads(out.read_text()))
-            if proc.returncode != 0 or not out.exists():
-                fail_config(res, job, s, f"unavailable: its process exited {proc.returncode}")
+                child = json.loads(out.read_text())
+                merge_child(res, child)
+                res.data["meta"].setdefault("config_pids", {})[job] = child["meta"].get("pid")
+                if status:
+                    status += " after writing what it measured"
+            if status:
+                fail_config(res, job, s, status)
             res.save()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def run_config_process(spec: dict, out: Path, timeout_s: float) -> str | None:
+    """Run ``--config-child`` for ``spec``; None when it exited 0, else why not."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--config-child", json.dumps(spec)]
+    # its own session: on a timeout the whole group goes (Inductor's compile workers too)
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(out)], stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return f"unavailable: no answer within --config-timeout {timeout_s:.0f} s"
+    return None if code == 0 else f"unavailable: its process exited {code}"
+
+
 def config_child(spec_json: str, out: Path) -> int:
     """``--config-child``: run one configuration; its results go to ``out`` (JSON)."""
+    global _LOG_START
     spec = json.loads(spec_json)
     s = settings_from_json(spec["settings"])
     limit_cpu_threads(s)
-    res = Results(out, {"config": spec["job"]})
-    deadline = Deadline(s.time_limit_s, res.start)
+    # the run's clock: its deadline and log times go on from the parent's
+    _LOG_START = time.perf_counter() - (time.time() - spec["run_start_wall"])
+    res = Results(out, {"config": spec["job"], "pid": os.getpid()})
+    deadline = Deadline(s.time_limit_s, _LOG_START)
     model = build_model(s)
     run_config(model, spec["job"], s, res, deadline, spec["cache_dir"])
     res.save()
@@ -1535,7 +1563,7 @@ def table_latency(data: dict) -> list[str]:
         + (
             "one per configuration (JSON meta.isolation)"
             if data["meta"].get("isolation")
-            else "every configuration in one process (--no-isolate)"
+            else "every configuration in one process"
         ),
     ]
     rows = []
@@ -1875,6 +1903,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         help="each configuration in its own process (default: on with CUDA, off for --smoke)",
     )
+    p.add_argument(
+        "--config-timeout",
+        type=float,
+        default=900.0,
+        help="--isolate: seconds a configuration's process may take before it is killed (900)",
+    )
     p.add_argument("--startup-child", help=argparse.SUPPRESS)
     p.add_argument("--config-child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -1913,6 +1947,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         max_seqs=a.max_num_seqs,
         profile_startup=a.profile_startup,
         isolate=a.isolate if a.isolate is not None else (device == "cuda" and not a.smoke),
+        config_timeout_s=a.config_timeout,
     )
 
 

@@ -4,8 +4,9 @@ Times one engine's decode step (``--target``, default FULL; median of the decode
 timed steps, CUDA events) in a process that first built, ran and deleted the ``--before``
 engines, then profiles 30 steps and prints the kernels and the largest gaps between them.
 ``--target-first`` also times the target before anything else is built and again after,
-so one engine is compared with itself; ``--dummy-graphs N`` captures (and replays once) N
-graphs of six small kernels at that point, kept alive with ``--keep-dummies``;
+so one engine is compared with itself (it stays alive to the end, beside the engines built
+after it); ``--dummy-graphs N`` captures (and replays once) N
+graphs of 18 small kernels (six rounds of multiply, add, relu) at that point, kept alive with ``--keep-dummies``;
 ``--replay-piecewise`` runs one step at each of the target's PIECEWISE sizes before timing
 it (FULL_AND_PIECEWISE: do its own piecewise graphs, once replayed, slow its FULL steps?).
 
@@ -138,13 +139,17 @@ def replay_piecewise(probe: Probe, engine, pool, rng) -> int:
     before = engine.stats.runtime_modes["PIECEWISE"]
     context = probe.s.context
     for size in engine.report.capture.get("sizes", {}).get("PIECEWISE", []):
-        chunks = [
-            (row, 0, min(context, size - done)) for row, done in enumerate(range(0, size, context))
-        ]
+        chunks = prefill_chunks(size, context)
         tokens = D.random_tokens(rng, probe.model.vocab_size, size)
         engine.step(pool.chunk_batch(chunks, tokens))
     D.synchronize(probe.s.device)
     return engine.stats.runtime_modes["PIECEWISE"] - before
+
+
+def prefill_chunks(size: int, context: int) -> list[tuple[int, int, int]]:
+    """``size`` prompt tokens as (row, computed, length) chunks of at most ``context``, one
+    row each from row 0 (RequestPool.chunk_batch's form)."""
+    return [(row, 0, min(context, size - done)) for row, done in enumerate(range(0, size, context))]
 
 
 def per_step(times: dict[str, list[float]]) -> list[dict]:

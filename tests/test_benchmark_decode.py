@@ -6,6 +6,7 @@ last, and ``python -m graphattn bench`` reaches the script. Timings here mean no
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -89,6 +90,9 @@ def test_isolate_runs_each_configuration_in_its_own_process(tmp_path, capsys):
     assert rows["graphattn eager"]["resolved_mode"] == "NONE"  # the engine entry came along
     assert data["floor"]["result"]["copy_bytes_per_s"] > 0
     assert "own process" in data["meta"]["isolation"] and data["errors"] == []
+    pids = data["meta"]["config_pids"]  # three processes, none of them this one
+    assert set(pids) == {"floor", "engine:eager", "baselines"}
+    assert len(set(pids.values())) == 3 and os.getpid() not in pids.values()
     assert "processes: one per configuration" in capsys.readouterr().out
 
 
@@ -126,6 +130,14 @@ def test_graph_count_probe_times_the_target_before_and_after(tmp_path):
     assert all(e["median_ms"] > 0 for e in data["by_batch"].values())
 
 
+def test_graph_count_prefill_chunks_cover_a_capture_size():
+    from benchmarks.graph_count import prefill_chunks
+
+    assert prefill_chunks(256, 512) == [(0, 0, 256)]
+    assert prefill_chunks(130, 64) == [(0, 0, 64), (1, 0, 64), (2, 0, 2)]
+    assert prefill_chunks(128, 64) == [(0, 0, 64), (1, 0, 64)]
+
+
 @pytest.mark.gpu
 def test_graph_count_probe_on_the_gpu(tmp_path):
     """The probe's CUDA path: a FULL engine, dummy graphs, kernels and gaps profiled."""
@@ -149,3 +161,53 @@ def test_graph_count_probe_replays_every_piecewise_size(tmp_path):
     data = json.loads(out.read_text())
     assert data["piecewise_steps"] > 1  # every capture size but 1 (a decode: FULL) replayed
     assert data["by_batch"]["1"]["median_ms"] > 0
+
+
+def _fake_python(tmp_path, body: str) -> str:
+    """An executable that stands in for sys.executable: runs ``body`` (Python) with the
+    arguments decode.py gives a configuration's process."""
+    script = tmp_path / "fake_child.py"
+    script.write_text(body)
+    wrapper = tmp_path / "fake_python"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_a_configuration_process_that_hangs_is_killed(tmp_path, monkeypatch):
+    out = tmp_path / "decode.json"
+    monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, "import time\ntime.sleep(60)\n"))
+    args = [*QUICK, "--parts", "latency", "--modes", "eager", "--baselines", "eager"]
+    assert decode.main([*args, "--isolate", "--config-timeout", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    status = "unavailable: no answer within --config-timeout 1 s"
+    assert {r["label"]: r["status"] for r in data["latency"]["rows"]} == {
+        "graphattn eager": status,
+        "baseline eager": status,
+    }
+    assert data["meta"]["settings"]["config_timeout_s"] == 1.0
+
+
+def test_what_a_failed_process_wrote_is_kept(tmp_path, monkeypatch):
+    """A process that wrote its engine's latency row and then died: the row is kept, the
+    parts it did not write are marked, and the error says it wrote first."""
+    body = """import json, sys
+spec = json.loads(sys.argv[sys.argv.index("--config-child") + 1])
+out = sys.argv[sys.argv.index("--out") + 1]
+if spec["job"] == "engine:eager":
+    row = {"label": "graphattn eager", "status": "ok", "ms": {"1": 1.5, "4": 2.5}}
+    json.dump({"meta": {}, "errors": [], "latency": {"rows": [row]}}, open(out, "w"))
+sys.exit(3)
+"""
+    monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, body))
+    out = tmp_path / "decode.json"
+    args = [*QUICK, "--parts", "latency,trace", "--modes", "eager", "--baselines", "eager"]
+    assert decode.main([*args, "--isolate", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["label"]: r for r in data["latency"]["rows"]}
+    assert rows["graphattn eager"]["ms"] == {"1": 1.5, "4": 2.5}  # merged, not overwritten
+    assert rows["baseline eager"]["status"] == "unavailable: its process exited 3"
+    assert data["trace"]["graphattn"]["status"] == (
+        "unavailable: its process exited 3 after writing what it measured"
+    )
+    assert [e["where"] for e in data["errors"]] == ["engine:eager", "baselines"]
