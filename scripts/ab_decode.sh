@@ -10,7 +10,9 @@
 #   CPU check:   AB_DECODE_ARGS=--smoke scripts/ab_decode.sh .scratch/ab-base 1 1
 #
 # Prints each run's FULL milliseconds per batch size (AB_DECODE_ARGS: more decode.py
-# arguments). This tree is installed again at the end, whatever failed.
+# arguments; AB_BASELINES=reduce-overhead also times that baseline in each run, in its own
+# process, and prints FULL's ratio to it). This tree is installed again at the end, whatever
+# failed.
 set -uo pipefail
 usage="usage: scripts/ab_decode.sh BASE_TREE [ROUNDS] [BATCHES]"
 [ $# -ge 1 ] && [ -n "$1" ] || { echo "$usage" >&2; exit 2; }
@@ -33,13 +35,19 @@ run() {  # $1 = tree, $2 = label, $3 = round
   # The base lies inside this repository: stop git there, or decode.py would record this
   # tree's commit for it.
   GIT_CEILING_DIRECTORIES=$(dirname "$1") python3 "$1/benchmarks/decode.py" --parts latency \
-    --modes FULL --baselines "" --batch-sizes "$BATCHES" --out "$json" ${AB_DECODE_ARGS:-} \
+    --modes FULL --baselines "${AB_BASELINES:-}" --batch-sizes "$BATCHES" --out "$json" ${AB_DECODE_ARGS:-} \
     >/dev/null 2>"$OUT/ab-$2-$3.err" || { tail -5 "$OUT/ab-$2-$3.err" >&2; return 1; }
   python3 - "$json" "$2" "$3" <<'PY'
 import json, sys
 data = json.load(open(sys.argv[1]))
-ms = {r["label"]: r["ms"] for r in data["latency"]["rows"]}["graphattn FULL"]
-print(f"{sys.argv[2]:5s} round {sys.argv[3]}: FULL ms", {b: round(v, 4) for b, v in ms.items()})
+rows = {r["label"]: r.get("ms") or {} for r in data["latency"]["rows"]}
+ms = rows["graphattn FULL"]
+line = f"{sys.argv[2]:5s} round {sys.argv[3]}: FULL ms {({b: round(v, 4) for b, v in ms.items()})}"
+base = rows.get("baseline reduce-overhead")
+if base:
+    ratio = {b: round(v / base[b], 3) for b, v in ms.items() if v and base.get(b)}
+    line += f"; reduce-overhead ms {({b: round(v, 4) for b, v in base.items() if v})}; ratio {ratio}"
+print(line)
 PY
 }
 status=0
