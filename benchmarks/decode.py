@@ -1254,17 +1254,21 @@ def run_config(model, job: str, s: Settings, res: Results, deadline: Deadline, c
             res.put("floor", "result", {"status": res.error("floor", e)})
         res.save()
     elif kind == "engine":
-        parts = dict(engine_schedule(s))[key]
         if deadline.passed():
-            skip_engine(res, key, parts, deadline.status)
+            skip_engine(res, s, key, deadline.status)
         else:
-            run_graphattn(model, key, parts, s, res, cache_dir)
+            run_graphattn(model, key, engine_parts(s, key), s, res, cache_dir)
     else:
         run_baselines(model, s, res, deadline)
 
 
-def skip_engine(res: Results, key: str, parts: list[str], status: str) -> None:
-    for part in parts:
+def engine_parts(s: Settings, key: str) -> list[str]:
+    """The parts engine ``key`` serves in this run (``engine_schedule``)."""
+    return dict(engine_schedule(s))[key]
+
+
+def skip_engine(res: Results, s: Settings, key: str, status: str) -> None:
+    for part in engine_parts(s, key):
         place(res, part, ENGINE_SPECS[key], {"status": status})
 
 
@@ -1289,7 +1293,7 @@ def run_isolated(s: Settings, res: Results, deadline: Deadline, cache_dir: str) 
         for n, job in enumerate(configurations(s)):
             kind, _, key = job.partition(":")
             if kind == "engine" and deadline.passed():
-                skip_engine(res, key, dict(engine_schedule(s))[key], deadline.status)
+                skip_engine(res, s, key, deadline.status)
                 continue
             out = work / f"{n}.json"
             spec = {
@@ -1370,7 +1374,7 @@ def fail_config(res: Results, job: str, s: Settings, status: str) -> None:
         res.data.setdefault("floor", {}).setdefault("result", {"status": status})
     elif kind == "engine":
         spec = ENGINE_SPECS[key]
-        for part in dict(engine_schedule(s))[key]:
+        for part in engine_parts(s, key):
             done = {r.get("label") for r in res.data.get(part, {}).get("rows", [])}
             if part in ("latency", "mixed") and spec.label in done:
                 continue

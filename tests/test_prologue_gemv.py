@@ -152,6 +152,13 @@ def _rotary(d: int, rotated: int, dtype, device="cpu", seed=7) -> Rotary:
     return Rotary(cos, sin, d, rotated)
 
 
+def _rope_call(rotary, **kwargs):
+    """A bad-argument case: the norm GEMV with the rope epilogue and ``rotary``."""
+    return lambda x, w, nw, r: rms_norm_gemv(
+        x, w, nw, 1e-5, epilogue="rope", rotary=rotary, **kwargs
+    )
+
+
 def _rotated_as_the_graph(plain: torch.Tensor, rotary: Rotary) -> torch.Tensor:
     """The model's rotary (graphattn.models.llama.apply_rotary) over the plain product."""
     r = rotary.rotated
@@ -316,60 +323,32 @@ def test_prologue_configs(rows, k, glu):
             "rotary is for epilogue='rope' and only for it",
         ),
         (
-            lambda x, w, nw, r: rms_norm_gemv(
-                x,
-                w,
-                nw,
-                1e-5,
-                epilogue="rope",
-                rotary=_rotary(8, 8, torch.float32)._replace(head_size=7),
-            ),
+            _rope_call(_rotary(8, 8, torch.float32)._replace(head_size=7)),
             ValueError,
             "head_size must be an even int",
         ),
         (
-            lambda x, w, nw, r: rms_norm_gemv(
-                x, w, nw, 1e-5, epilogue="rope", rotary=_rotary(32, 32, torch.float32)
-            ),
+            _rope_call(_rotary(32, 32, torch.float32)),
             ValueError,
             "the weight's 16 rows must be whole heads",
         ),
         (
-            lambda x, w, nw, r: rms_norm_gemv(
-                x, w, nw, 1e-5, epilogue="rope", rotary=_rotary(8, 12, torch.float32)
-            ),
+            _rope_call(_rotary(8, 12, torch.float32)),
             ValueError,
             r"rotary.rotated must be whole heads of 8 in \(0, 16\], got 12",
         ),
         (
-            lambda x, w, nw, r: rms_norm_gemv(
-                x,
-                w,
-                nw,
-                1e-5,
-                epilogue="rope",
-                rotary=_rotary(16, 16, torch.float32)._replace(head_size=8),
-            ),
+            _rope_call(_rotary(16, 16, torch.float32)._replace(head_size=8)),
             ValueError,
             r"rotary.cos must be \[1, 4\] or \[4\]",
         ),
         (
-            lambda x, w, nw, r: rms_norm_gemv(
-                x,
-                w,
-                nw,
-                1e-5,
-                epilogue="rope",
-                rotary=_rotary(8, 8, torch.float32),
-                config=GemvConfig(1, 32),
-            ),
+            _rope_call(_rotary(8, 8, torch.float32), config=GemvConfig(1, 32)),
             ValueError,
             "epilogue='rope' streams block_n / 2 pairs",
         ),
         (
-            lambda x, w, nw, r: rms_norm_gemv(
-                x, w, nw, 1e-5, epilogue="rope", rotary=tuple(_rotary(8, 8, torch.float32))
-            ),
+            _rope_call(tuple(_rotary(8, 8, torch.float32))),
             TypeError,
             r"rotary must be a Rotary\(cos, sin, head_size, rotated\), got tuple",
         ),
