@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import json
 import os
 import subprocess
@@ -26,6 +27,8 @@ from graphattn.envs import triton_interpret
 from graphattn.kernels import gemv as gemv_module
 from graphattn.kernels import pdl
 from graphattn.kernels import prologue_gemv as prologue_module
+from graphattn.kernels import split_kv as split_kv_module
+from graphattn.kernels import unified_attention as attention_module
 from graphattn.kernels.gemv import GemvConfig, gemv
 from graphattn.kernels.prologue_gemv import Rotary, rms_norm_gemv, silu_mul_gemv
 
@@ -87,12 +90,13 @@ def _nothing():
 
 
 def _with_pdl(patch, fn):
-    for module in (gemv_module, prologue_module):
+    modules = (gemv_module, prologue_module, attention_module, split_kv_module)
+    for module in modules:
         patch.setattr(module, "launch_options", lambda device: {"launch_pdl": True})
     try:
         return fn()
     finally:
-        for module in (gemv_module, prologue_module):
+        for module in modules:
             patch.setattr(module, "launch_options", pdl.launch_options)
 
 
@@ -143,57 +147,154 @@ def test_prologue_pdl_path_computes_what_the_normal_path_does(pdl_path_on_the_cp
         assert torch.equal(g, w)
 
 
-# Before its PDL wait a kernel may read only weights (pdl.py): no kernel of a step writes them.
-WEIGHT_POINTERS = {"w_ptrs", "up_ptrs"}
+@pytest.mark.parametrize("num_splits, window", [(1, None), (3, None), (8, 5)])
+def test_decode_attention_pdl_path_computes_what_the_normal_path_does(
+    pdl_path_on_the_cpu, num_splits, window
+):
+    """The decode launch's PDL path (the metadata and slot read before the wait) against the
+    normal launch: the same output and cache bits. A new token in the first key tile, in a
+    later one, padding requests and empty splits."""
+    from test_kernels import decode_with_new_kv, make_case
+
+    shapes = [(0, 1), (15, 1), (40, 1), (70, 1), (7, 1)]
+    case = make_case(
+        shapes, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=1,
+        pad_tokens=2, pad_reqs=2,
+    )  # fmt: skip
+    plan = case.plan(num_splits)
+    run = lambda: decode_with_new_kv(case, plan, scale=0.125, seed=2, window=window)  # noqa: E731
+    want = run()
+    got = _with_pdl(pdl_path_on_the_cpu, run)
+    for (out, caches), (out_want, caches_want) in zip(got, want):
+        assert torch.equal(out[: case.num_tokens], out_want[: case.num_tokens])
+        assert all(torch.equal(c, w) for c, w in zip(caches, caches_want))
 
 
-def reads_before_the_wait(source: str) -> list[str]:
-    """What a Triton kernel's source does before its first ``gdc_wait()`` that may read or
-    write memory a kernel before it writes: a ``tl.load`` of anything but a weight tile, a
-    ``tl.store`` or atomic, or a call of a helper function (which may load); methods of
-    values (``x.to(...)``) and other ``tl`` functions touch no memory. In source order: the
-    kernels are straight-line code up to the wait."""
-    tree = ast.parse(textwrap.dedent(source))
-    calls = sorted(
-        (n for n in ast.walk(tree) if isinstance(n, ast.Call)),
-        key=lambda n: (n.lineno, n.col_offset),
-    )
-    found = []
-    for call in calls:
-        name = ast.unparse(call.func)
-        if name.endswith("gdc_wait"):
-            return found
-        if name == "tl.load":
-            pointer = call.args[0]
-            if not (isinstance(pointer, ast.Name) and pointer.id in WEIGHT_POINTERS):
+# What a kernel may read before its PDL wait (pdl.py): what no kernel of a step writes. The
+# GEMVs: their weights. A decode attention launch (WRITE_KV): the step's metadata, copied in
+# before its first kernel, and L2 prefetch hints for its first key tile (they return no data).
+# Helpers named here read only those.
+GEMV_EARLY = dict(pointers={"w_ptrs", "up_ptrs"}, helpers=set())
+DECODE_ATTENTION_EARLY = dict(
+    pointers={"query_start_loc_ptr", "seq_lens_ptr", "slot_ptr"},
+    helpers={"_find_request", "_split_range", "_prefetch_tile"},  # metadata; L2 prefetch
+)
+NOTHING_EARLY = dict(pointers=set(), helpers=set())
+
+
+def reads_before_the_wait(
+    source: str, constants: dict, pointers: set[str], helpers: set[str]
+) -> list[str]:
+    """What a Triton kernel's source does before its first ``gdc_wait()`` on the path that
+    ``constants`` (constexpr values) take, beyond what it may: a ``tl.load`` through a
+    pointer not in ``pointers``, a ``tl.store`` or atomic, or a call of a helper function not
+    in ``helpers`` (it may load). An ``if`` that ``constants`` decide follows its taken
+    branch, any other both; methods of values (``x.to(...)``) and other ``tl`` functions
+    touch no memory."""
+    found: list[str] = []
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    if not _walk_to_the_wait(body, constants, pointers, helpers, found):
+        raise AssertionError("the kernel never calls gdc_wait() on this path")
+    return found
+
+
+def _walk_to_the_wait(stmts, constants, pointers, helpers, found) -> bool:
+    for stmt in stmts:
+        if isinstance(stmt, ast.If):
+            taken = _decide(stmt.test, constants)
+            if taken is not None:
+                if _walk_to_the_wait(
+                    stmt.body if taken else stmt.orelse, constants, pointers, helpers, found
+                ):
+                    return True
+                continue
+        calls = sorted(
+            (n for n in ast.walk(stmt) if isinstance(n, ast.Call)),
+            key=lambda n: (n.lineno, n.col_offset),
+        )
+        for call in calls:
+            name = ast.unparse(call.func)
+            if name.endswith("gdc_wait"):
+                return True
+            if name == "tl.load":
+                if _root(call.args[0]) not in pointers:
+                    found.append(ast.unparse(call))
+            elif name == "tl.store" or name.startswith("tl.atomic"):
                 found.append(ast.unparse(call))
-        elif name == "tl.store" or name.startswith("tl.atomic") or isinstance(call.func, ast.Name):
-            found.append(ast.unparse(call))  # a store, or a helper's call (it may load)
-    raise AssertionError("the kernel never calls gdc_wait()")
+            elif isinstance(call.func, ast.Name) and name not in helpers:
+                found.append(ast.unparse(call))  # a helper's call: it may load
+    return False
 
 
-def test_pdl_kernels_read_only_weights_before_the_wait():
-    """Every kernel launched with PDL: nothing but its first weight tile before the wait,
-    so the rotary tables, activations, metadata and caches are read after it."""
+def _decide(test: ast.expr, constants: dict) -> bool | None:
+    """The value of an ``if`` test made of constexpr names only, else None."""
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    if not names or not names <= constants.keys():
+        return None
+    return bool(eval(compile(ast.Expression(test), "<test>", "eval"), {}, dict(constants)))
+
+
+def _root(pointer: ast.expr) -> str | None:
+    """The pointer argument a load's address starts from: ``p_ptr + i * s`` -> ``p_ptr``."""
+    while isinstance(pointer, ast.BinOp):
+        pointer = pointer.left
+    return pointer.id if isinstance(pointer, ast.Name) else None
+
+
+def test_pdl_kernels_read_before_the_wait_only_what_no_earlier_kernel_writes():
+    """Every kernel launched with PDL, on each of its paths: the GEMVs read their first weight
+    tile before the wait, decode attention its metadata and older keys; a mixed batch's
+    attention and the split-KV reduction read nothing before it."""
     from graphattn.kernels import split_kv, unified_attention
 
-    kernels = (
-        gemv_module._gemv_kernel,
-        prologue_module._prologue_gemv_kernel,
-        unified_attention._attention_kernel,
-        split_kv._reduce_kernel,
-    )
-    for kernel in kernels:
-        assert reads_before_the_wait(inspect.getsource(kernel.fn)) == [], kernel.fn.__name__
-    # the control: the rope tables loaded before the wait are found
+    cases = [
+        (gemv_module._gemv_kernel, {"PDL": True}, GEMV_EARLY),
+        (prologue_module._prologue_gemv_kernel, {"PDL": True}, GEMV_EARLY),
+        (unified_attention._attention_kernel, {"PDL": True, "WRITE_KV": True},
+         DECODE_ATTENTION_EARLY),
+        (unified_attention._attention_kernel, {"PDL": True, "WRITE_KV": False}, NOTHING_EARLY),
+        (split_kv._reduce_kernel, {"PDL": True}, NOTHING_EARLY),
+    ]  # fmt: skip
+    for kernel, constants, early in cases:
+        source = inspect.getsource(kernel.fn)
+        assert reads_before_the_wait(source, constants, **early) == [], (kernel, constants)
+
+
+def test_the_pdl_check_finds_early_reads():
+    """The controls: loads, stores and helpers moved before a wait are found."""
+    from graphattn.kernels import unified_attention
+
     moved = inspect.getsource(prologue_module._prologue_gemv_kernel.fn).replace(
         "        tl.extra.cuda.gdc_wait()\n",
         "        cos = tl.load(cos_ptr + pairs % HALF)\n        tl.extra.cuda.gdc_wait()\n",
         1,
     )
-    assert reads_before_the_wait(moved) == ["tl.load(cos_ptr + pairs % HALF)"]
+    assert reads_before_the_wait(moved, {"PDL": True}, **GEMV_EARLY) == [
+        "tl.load(cos_ptr + pairs % HALF)"
+    ]
     early = "def k(x_ptr, w_ptrs):\n    w = tl.load(w_ptrs)\n    a = _prologue(x_ptr)\n    tl.extra.cuda.gdc_wait()\n"
-    assert reads_before_the_wait(early) == ["_prologue(x_ptr)"]
+    assert reads_before_the_wait(early, {}, **GEMV_EARLY) == ["_prologue(x_ptr)"]
+    attention = inspect.getsource(unified_attention._attention_kernel.fn)
+    wait = "        if PDL:  # q and the new key and value come from the kernel before\n"
+    assert attention.count(wait) == 1
+    for line, want in [
+        ("q0 = tl.load(q_ptr + q_start)", "tl.load(q_ptr + q_start)"),
+        (
+            "k0 = tl.load(new_k_ptr + q_start * stride_kt)",
+            "tl.load(new_k_ptr + q_start * stride_kt)",
+        ),
+        ("tl.store(k_cache_ptr + slot, q_start)", "tl.store(k_cache_ptr + slot, q_start)"),
+    ]:
+        moved = attention.replace(wait, f"        {line}\n{wait}")
+        decode = {"PDL": True, "WRITE_KV": True}
+        assert reads_before_the_wait(moved, decode, **DECODE_ATTENTION_EARLY) == [want]
+    # a mixed batch's launch, its wait moved after the request search: found
+    mixed_wait = "    if PDL and not WRITE_KV:  # a mixed batch: the cache may come from the write kernel before\n        tl.extra.cuda.gdc_wait()\n"
+    search = "    req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)\n"
+    assert attention.count(mixed_wait) == 1 and attention.count(search) == 1
+    late = attention.replace(mixed_wait, "").replace(search, search + mixed_wait)
+    mixed = {"PDL": True, "WRITE_KV": False}
+    assert reads_before_the_wait(late, mixed, **NOTHING_EARLY) == [search.strip()[6:]]
 
 
 def compile_gemvs_for_hopper() -> list[dict]:
@@ -351,3 +452,94 @@ def test_pdl_chain_in_a_cuda_graph_matches_normal_launches(fresh_pdl):
         want, want_res = _chain(x_in, res_in, norm_w, weights, table_w)
         assert not got.isnan().any()
         assert torch.equal(got, want) and torch.equal(got_res, want_res)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_pdl_decode_attention_after_a_gemv_in_a_cuda_graph(fresh_pdl, batch):
+    """Two layers of qkv GEMV -> decode attention (the new key and value written inside the
+    launch; split-KV) -> o GEMV, in one CUDA graph of PDL launches, Llama-3.2-1B's heads.
+    The attention reads its metadata and slots (and prefetches its first key tile) before its wait, q and the
+    new key and value, the GEMV's output just before it, after: every replay, from fresh
+    inputs and with the GEMV and attention outputs set to NaN, must give the bits of the
+    same chain launched normally outside a graph, and so must the caches."""
+    from graphattn.kernels.attention_plan import choose_num_splits, plan_attention
+    from graphattn.kernels.split_kv import SplitScratch
+    from graphattn.kernels.unified_attention import unified_attention
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.get_device_capability(device)[0] < pdl.MIN_CAPABILITY:
+        pytest.skip("PDL needs compute capability 9.0")
+    gen = torch.Generator(device=device).manual_seed(batch)
+    hq, hkv, d, bs, layers = 32, 8, 64, 16, 2
+    hidden = hq * d
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device).bfloat16()
+
+    weights = [
+        (randn(hidden + 2 * hkv * d, hidden) / 45, randn(hidden, hidden) / 45)
+        for _ in range(layers)
+    ]
+    ctx = torch.randint(100, 600, (batch,), generator=gen, device=device)
+    need = (ctx // bs + 1).tolist()
+    num_blocks = sum(need) + 4
+    caches = [(randn(num_blocks, bs, hkv, d), randn(num_blocks, bs, hkv, d)) for _ in range(layers)]
+    ids = torch.randperm(num_blocks, generator=gen, device=device).int()
+    table = torch.zeros(batch, max(need), dtype=torch.int32, device=device)
+    for i, (n, start) in enumerate(zip(need, [0, *itertools.accumulate(need)])):
+        table[i, :n] = ids[start : start + n]
+    slots = (table.gather(1, (ctx // bs)[:, None].int()).squeeze(1).long() * bs + ctx % bs).long()
+    seq_lens = (ctx + 1).int()
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    plan = plan_attention(
+        batch, batch, num_heads=hq, num_kv_heads=hkv, head_size=d, dtype=torch.bfloat16,
+        device_type="cuda", num_splits=choose_num_splits(batch, hkv, num_sms), uniform_decode=True,
+    )  # fmt: skip
+    assert plan.num_splits > 1
+    scratch = SplitScratch.allocate(batch, hkv, d, device)
+
+    def chain(x):
+        outs = []
+        for (w_qkv, w_o), (k_cache, v_cache) in zip(weights, caches):
+            qkv = gemv(x, w_qkv)  # [B, (Hq + 2 Hkv) D]
+            outs.append(qkv)
+            q = qkv[:, :hidden].view(batch, hq, d)
+            k = qkv[:, hidden : hidden + hkv * d].view(batch, hkv, d)
+            v = qkv[:, hidden + hkv * d :].view(batch, hkv, d)
+            out = torch.empty_like(q)
+            unified_attention(
+                q, k_cache, v_cache, out, table, starts, seq_lens, plan, scale=d**-0.5,
+                scratch=scratch, new_kv=(k, v, slots),
+            )  # fmt: skip
+            outs.append(out)
+            x = gemv(out.view(batch, hidden), w_o)
+        return [*outs, x]
+
+    x = randn(batch, hidden)
+    fresh_pdl.setenv("GRAPHATTN_PDL", "1")
+    assert pdl.use_pdl(device)
+    chain(x)  # compile outside the graph
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(x)
+    replays = []
+    for _ in range(4):
+        x.copy_(randn(batch, hidden))
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+        replays.append((x.clone(), [t.clone() for t in captured]))
+    torch.cuda.synchronize(device)
+    after_graph = [(k.clone(), v.clone()) for k, v in caches]
+    pdl.use_pdl.cache_clear()
+    fresh_pdl.setenv("GRAPHATTN_PDL", "0")
+    assert not pdl.use_pdl(device)
+    for x_in, got in replays:
+        want = chain(x_in)
+        assert not any(t.isnan().any() for t in got)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for (k, v), (k_graph, v_graph) in zip(caches, after_graph):
+        assert torch.equal(k, k_graph) and torch.equal(v, v_graph)

@@ -12,15 +12,26 @@ The kernels that use it, and how:
 - the GEMVs (``gemv.py``, ``prologue_gemv.py``): before the wait a program loads only its
   first weight tile (no kernel in a step writes weights, so the tile cannot be stale; the
   GEMV passes rewrite only linears whose weight is a parameter);
-- attention and the split-KV reduction (``unified_attention.py``, ``split_kv.py``): every
-  read comes after the wait;
-- in all of them every read of activations, metadata or the cache, and every store, comes
-  after the wait, so a kernel neither reads an input early nor overwrites a buffer an
-  earlier kernel still reads; every program waits (before any early return), so a kernel
-  finishes only after everything before it has;
-- each signals its dependents after its main loop, not at its start: signalling at the
-  start let the next kernel's programs take SM slots and wait in them while this one still
-  streamed, which measured slower (``benchmarks/pdl_chain.py``, docs/performance.md).
+- decode attention (``unified_attention.py`` with the new keys written in the launch): before
+  the wait a program reads the step's metadata (query start locations, sequence lengths, its
+  slot and block ids: host-to-device copies made before the step's first kernel, written by
+  no kernel) and asks L2 for its first key and value tile (``prefetch.global.L2``, a hint
+  that returns no data, so nothing stale can be read); q, the new key and value and the
+  cache itself are read after it. The kernel right before it (the qkv projection or its
+  rotary) signals only after its own wait, so everything before that one has finished;
+- mixed-batch attention and the split-KV reduction (``split_kv.py``): every read after the
+  wait (a mixed batch's cache may come from the write kernel just before);
+- in all of them every read of activations and every store comes after the wait, so a
+  kernel neither reads an input early nor overwrites a buffer an earlier kernel still reads;
+  every program waits (before any early return), so a kernel finishes only after everything
+  before it has;
+- where each signals its dependents: the GEMVs and mixed-batch attention after their main
+  loop, not at their start: signalling at the start let the next kernel's programs take SM
+  slots and wait in them while this one still streamed, which measured slower
+  (``benchmarks/pdl_chain.py``, docs/performance.md). Decode attention and the reduction
+  signal at their start: at one token they take few of the SMs' slots, and so the o_proj
+  GEMV after them has its weights in flight while they run (measured faster together with
+  the early metadata reads and prefetch, docs/performance.md, round 12).
 
 ``GRAPHATTN_PDL=0`` turns it off. It is off on the CPU (the Triton interpreter), on ROCm and
 before compute capability 9.0, where the kernels launch normally.

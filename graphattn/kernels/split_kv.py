@@ -120,10 +120,11 @@ def _reduce_kernel(
     HEAD_SIZE: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
-    PDL: tl.constexpr,  # launched with launch_pdl: wait before any read, signal after them
+    PDL: tl.constexpr,  # launched with launch_pdl: signal, then wait before any read (pdl.py)
 ):
-    if PDL:  # the partial results come from the attention kernel before (kernels/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    if PDL:  # let the next kernel in at once (few slots taken), then wait (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the partial results come from the attention kernel before
     token = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -138,8 +139,6 @@ def _reduce_kernel(
     lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"))
     mask = ok[:, None] & (dims < HEAD_SIZE)[None, :]
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     if token >= end:  # a padding token no request owns
         return
     top = tl.max(lse, 0)

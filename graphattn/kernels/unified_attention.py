@@ -162,6 +162,8 @@ def kernel_constants(
         # The Triton interpreter's tl.dot multiplies bf16 bit patterns (triton#11584): on the
         # CPU multiply exactly upcast fp32 copies instead. Remove once the interpreter converts.
         DOT_FP32=device_type == "cpu" and dtype == torch.bfloat16,
+        # inline PTX: not for the interpreter (where nothing runs ahead of the wait anyway)
+        PREFETCH=device_type == "cuda",
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
@@ -218,10 +220,13 @@ def _attention_kernel(
     SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    PDL: tl.constexpr,  # launched with launch_pdl: wait before any read, signal after the keys
+    PDL: tl.constexpr,  # launched with launch_pdl: see the waits below and kernels/pdl.py
+    PREFETCH: tl.constexpr,  # decodes on CUDA: the first key and value tile into L2 early
 ):
-    if PDL:  # every input may come from the kernel before (kernels/pdl.py)
+    if PDL and not WRITE_KV:  # a mixed batch: the cache may come from the write kernel before
         tl.extra.cuda.gdc_wait()
+    if PDL and WRITE_KV:  # decodes: few slots taken, so let the next kernel in now (pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     # Last tiles first: under causal masking they see the most keys, so the long programs
     # start in the first wave and the short ones fill the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -230,8 +235,7 @@ def _attention_kernel(
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     first = (tile_id - q_start // BLOCK_Q - req) * BLOCK_Q  # the tile's first token in the request
-    if first >= q_len:  # no tile here: the request has fewer tiles than its bound
-        return
+    has_tile = first < q_len  # false: the request has fewer tiles than its bound
     seq_len = tl.load(seq_lens_ptr + req)
     context = seq_len - q_len
     rows = tl.arange(0, BLOCK_M)
@@ -241,12 +245,6 @@ def _attention_kernel(
     q_pos = context + token  # [M] position in the sequence
     dims = tl.arange(0, D_PAD)
     dim_ok = dims < HEAD_SIZE
-    q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh  # [M]
-    q = tl.load(
-        q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
-    )  # [M, D]
-    if DOT_FP32:
-        q = q.to(tl.float32)  # the key and value tiles follow q's dtype in _attend
 
     # Keys the tile sees: [lo, hi), then this program's split of them.
     first_pos = context + first
@@ -262,15 +260,32 @@ def _attention_kernel(
     else:
         full = tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // TILE_N
         mid = lo + full * TILE_N
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    if WRITE_KV:  # decodes: what no kernel of the step writes, before the wait (kernels/pdl.py)
+        slot = tl.load(slot_ptr + tl.where(has_tile, q_start, 0))  # q_start may be past the end
+        if PREFETCH:  # the first key and value tile, so that it is in L2 after the wait
+            _prefetch_tile(
+                k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, lo, tl.where(has_tile, hi, 0),
+                stride_cb, stride_cs, HEAD_SIZE, TILE_N, BLOCK_SIZE,
+            )  # fmt: skip
+        if PDL:  # q and the new key and value come from the kernel before
+            tl.extra.cuda.gdc_wait()
+    if first >= q_len:  # no tile here; after the wait, so no kernel ends before the one before
+        return
+    q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh  # [M]
+    q = tl.load(
+        q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
+    )  # [M, D]
+    if DOT_FP32:
+        q = q.to(tl.float32)  # the key and value tiles follow q's dtype in _attend
 
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    kv_head_off = kv_head.to(tl.int64) * stride_ch
     if WRITE_KV:  # decodes: the request's one new token sits at seq_len - 1
         _write_new_kv(
-            new_k_ptr, new_v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head,
+            new_k_ptr, new_v_ptr, k_cache_ptr, v_cache_ptr, slot.to(tl.int64), q_start, kv_head,
             kv_head_off, seq_len - 1, lo, hi, dims, dim_ok, stride_kt, stride_kh, stride_vt,
             stride_vh, stride_cb, stride_cs, BLOCK_SIZE,
         )  # fmt: skip
@@ -285,7 +300,7 @@ def _attention_kernel(
         HEAD_SIZE, D_PAD, TILE_N, BLOCK_SIZE, True, SLIDING, SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
 
-    if PDL:
+    if PDL and not WRITE_KV:
         tl.extra.cuda.gdc_launch_dependents()
     has_keys = l_i > 0.0  # false only for rows that see nothing (padding, empty splits)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [M, D]
@@ -307,15 +322,14 @@ def _attention_kernel(
 
 @triton.jit
 def _write_new_kv(
-    new_k_ptr, new_v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, token, kv_head, kv_head_off,
+    new_k_ptr, new_v_ptr, k_cache_ptr, v_cache_ptr, slot, token, kv_head, kv_head_off,
     last, lo, hi, dims, dim_ok, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs,
     BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
-    """Store ``token``'s key and value for ``kv_head`` at its slot when this program's key
+    """Store ``token``'s key and value for ``kv_head`` at ``slot`` when this program's key
     range [lo, hi) holds position ``last`` (one program per request and head does), then a
     barrier so every thread of the program reads them back from the cache.
     """
-    slot = tl.load(slot_ptr + token).to(tl.int64)
     if (lo <= last) & (last < hi) & (slot >= 0):
         k = tl.load(new_k_ptr + token.to(tl.int64) * stride_kt + kv_head * stride_kh + dims, dim_ok)
         v = tl.load(new_v_ptr + token.to(tl.int64) * stride_vt + kv_head * stride_vh + dims, dim_ok)
@@ -323,6 +337,37 @@ def _write_new_kv(
         tl.store(k_cache_ptr + dst + dims, k.to(k_cache_ptr.dtype.element_ty), mask=dim_ok)
         tl.store(v_cache_ptr + dst + dims, v.to(v_cache_ptr.dtype.element_ty), mask=dim_ok)
     tl.debug_barrier()
+
+
+@triton.jit
+def _prefetch_tile(
+    k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, lo, hi, stride_cb, stride_cs,
+    HEAD_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Ask L2 for the key and value rows of positions [lo, min(lo + TILE_N, hi)): one
+    ``prefetch.global.L2`` per 128-byte line, nothing waits for it (CUDA only)."""
+    n = lo + tl.arange(0, TILE_N)  # [N]
+    n_ok = n < hi
+    block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0)  # masked rows: block 0's
+    rows = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head_off  # [N]
+    per_line: tl.constexpr = 128 // k_cache_ptr.dtype.element_ty.primitive_bitwidth * 8
+    lines: tl.constexpr = (HEAD_SIZE + per_line - 1) // per_line
+    line = tl.arange(0, triton.next_power_of_2(lines))
+    offs = rows[:, None] + (tl.minimum(line, lines - 1) * per_line)[None, :]  # [N, L]
+    _prefetch_l2(k_cache_ptr + offs)
+    _prefetch_l2(v_cache_ptr + offs)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
