@@ -9,10 +9,11 @@
 #                (the device tool: carry .scratch; results under $OUT/ab-{base,this}-N.json)
 #   CPU check:   AB_DECODE_ARGS=--smoke scripts/ab_decode.sh .scratch/ab-base 1 1
 #
-# Prints each run's FULL milliseconds per batch size (AB_DECODE_ARGS: more decode.py
-# arguments; AB_BASELINES=reduce-overhead also times that baseline in each run, in its own
-# process, and prints FULL's ratio to it). This tree is installed again at the end, whatever
-# failed.
+# Prints each run's FULL milliseconds per batch size. AB_TREES="DIR ...": more trees (the
+# variants of a change), timed between the two and named by their folders.
+# AB_DECODE_ARGS: more decode.py arguments. AB_BASELINES=reduce-overhead also times that
+# baseline in each run, in its own process, and prints FULL's ratio to it. This tree is
+# installed again at the end, whatever failed.
 set -uo pipefail
 usage="usage: scripts/ab_decode.sh BASE_TREE [ROUNDS] [BATCHES]"
 [ $# -ge 1 ] && [ -n "$1" ] || { echo "$usage" >&2; exit 2; }
@@ -50,12 +51,23 @@ if base:
 print(line)
 PY
 }
+# AB_TREES: more trees to time beside the two (variants of a change), each labelled by its
+# folder's name, in the order given between base and this (reversed in even rounds).
+trees=("$BASE")
+labels=(base)
+for extra in ${AB_TREES:-}; do
+  dir=$(cd "$extra" 2>/dev/null && pwd) || { echo "no folder $extra (AB_TREES)" >&2; exit 2; }
+  trees+=("$dir")
+  labels+=("$(basename "$dir")")
+done
+trees+=("$THIS")
+labels+=(this)
 status=0
 for r in $(seq 1 "$ROUNDS"); do
-  if [ $((r % 2)) = 1 ]; then order="base this"; else order="this base"; fi
-  for side in $order; do
-    if [ "$side" = base ]; then run "$BASE" base "$r" || status=1
-    else run "$THIS" this "$r" || status=1; fi
+  order=$(seq 0 $((${#trees[@]} - 1)))
+  [ $((r % 2)) = 1 ] || order=$(echo "$order" | tac)
+  for i in $order; do
+    run "${trees[$i]}" "${labels[$i]}" "$r" || status=1
   done
 done
 install "$THIS" || status=1
