@@ -18,6 +18,7 @@ import contextlib
 import cProfile
 import dataclasses
 import gc
+import hashlib
 import io
 import json
 import os
@@ -122,6 +123,7 @@ class Settings:
     profile_startup: str | None = None  # folder for the start-up processes' cProfile output
     isolate: bool = False  # each configuration in its own process (see ISOLATION)
     config_timeout_s: float = 900.0  # --isolate: a configuration's process is killed after it
+    extra_passes: tuple[str, ...] = ()  # post-grad passes after the defaults (opt-in ones)
 
     @property
     def part_engines(self) -> dict[str, tuple[str, ...]]:
@@ -163,6 +165,7 @@ class Settings:
             max_model_len=self.max_model_len,
             block_size=BLOCK_SIZE,
             num_blocks=self.num_blocks,
+            passes=(*ga.CompileConfig().passes, *self.extra_passes),
         )
 
 
@@ -1438,8 +1441,15 @@ def run_meta(s: Settings) -> dict:
         "triton": _version("triton"),
         "graphattn": ga.__version__,
         "commit": _git_commit(),
+        # the library's own files as they ran: the commit above is the checkout's git, which
+        # a copied tree may not have brought up to date (round 12's device copies did not)
+        "source_sha256": _source_digest(),
         # programmatic dependent launch in graphattn's kernels (kernels/pdl.py; GRAPHATTN_PDL)
         "pdl": use_pdl(torch.device(s.device)),
+        # graphattn's variables that change what runs (envs.py, kernels/pdl.py), where set
+        "env": {
+            k: os.environ[k] for k in ("GRAPHATTN_PDL", "GRAPHATTN_PREFETCH_MIB") if k in os.environ
+        },
         "python": platform.python_version(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "model": dataclasses.asdict(cfg),
@@ -1468,6 +1478,17 @@ def _git_commit() -> str | None:
         return out.stdout.strip() or None
     except Exception:
         return None
+
+
+def _source_digest() -> str:
+    """sha256 (first 16 hex digits) of graphattn's Python sources: every ``.py`` file under
+    graphattn/, passes/ and capture/ of the checkout, its relative path and bytes, in sorted
+    order (two trees with the same digest ran the same library code)."""
+    digest = hashlib.sha256()
+    for folder in ("graphattn", "passes", "capture"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 # -- targets, table, plot -------------------------------------------------------------------
@@ -1868,6 +1889,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", help="graphattn latency configs: " + ",".join(ENGINE_SPECS))
     p.add_argument("--baselines", default=",".join(BASELINES), help="comma list; '' for none")
     p.add_argument("--attention-backend", help="TRITON (default), TORCH_REF or auto")
+    p.add_argument(
+        "--extra-passes",
+        help="comma list of post-grad passes run after the defaults in every graphattn engine "
+        "(opt-in ones, e.g. prefetch_next_weight)",
+    )
     p.add_argument("--batch-sizes", help="decode batch sizes (default 1,8,32,128)")
     p.add_argument("--context", type=int, help="cached tokens per request (default 512)")
     p.add_argument("--warmup", type=int, help="warm-up steps (default 10)")
@@ -1952,6 +1978,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         profile_startup=a.profile_startup,
         isolate=a.isolate if a.isolate is not None else (device == "cuda" and not a.smoke),
         config_timeout_s=a.config_timeout,
+        extra_passes=tuple(n.strip() for n in (a.extra_passes or "").split(",") if n.strip()),
     )
 
 

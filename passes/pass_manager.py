@@ -64,6 +64,7 @@ class PostGradPassManager(CustomGraphPass):
 def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
     """A manager running the passes named ``names`` in order; an unknown name is a ConfigError."""
     from graphattn.passes.noop_elimination import NoOpEliminationPass
+    from graphattn.passes.prefetch_weights import PrefetchNextWeightPass
     from graphattn.passes.prologue_gemv import (
         RmsNormGemvPass,
         RotaryEpiloguePass,
@@ -83,6 +84,7 @@ def make_pass_manager(names: Sequence[str]) -> PostGradPassManager:
             RotaryEpiloguePass,
             SiluMulGemvPass,
             SingleRowGemvPass,
+            PrefetchNextWeightPass,
         )
     }
     if isinstance(names, str):
@@ -108,6 +110,8 @@ PASS_ORDER = (
     ("rms_norm_gemv", "silu_mul_epilogue"),
     ("rms_norm_gemv", "rope_epilogue"),
     ("silu_mul_epilogue", "silu_mul_gemv"),
+    # prefetch_next_weight rewrites the gemv ops single_row_gemv makes
+    ("single_row_gemv", "prefetch_next_weight"),
 )
 
 

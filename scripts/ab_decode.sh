@@ -6,7 +6,8 @@
 #   here:        mkdir -p .scratch/ab-base && git archive REV | tar -x -C .scratch/ab-base \
 #                  && git rev-parse REV > .scratch/ab-base/REVISION
 #   GPU machine: scripts/ab_decode.sh .scratch/ab-base [ROUNDS=3] [BATCHES=1,8]
-#                (the device tool: carry .scratch; results under $OUT/ab-{base,this}-N.json)
+#                (the device tool: carry .scratch; results under $OUT/ab-LABEL-N.json, LABEL
+#                base, this or an AB_TREES folder's name)
 #   CPU check:   AB_DECODE_ARGS=--smoke scripts/ab_decode.sh .scratch/ab-base 1 1
 #
 # Prints each run's FULL milliseconds per batch size. AB_TREES="DIR ...": more trees (the
@@ -57,8 +58,14 @@ trees=("$BASE")
 labels=(base)
 for extra in ${AB_TREES:-}; do
   dir=$(cd "$extra" 2>/dev/null && pwd) || { echo "no folder $extra (AB_TREES)" >&2; exit 2; }
+  [ -f "$dir/pyproject.toml" ] || { echo "no checkout at $dir (AB_TREES)" >&2; exit 2; }
+  label=$(basename "$dir")
+  for taken in base this "${labels[@]}"; do  # each run's JSON is named by its label
+    [ "$label" != "$taken" ] || { echo "AB_TREES: a second tree labelled $label" >&2; exit 2; }
+  done
+  echo "tree $label: $dir ($(cat "$dir/REVISION" 2>/dev/null || echo 'revision unknown'))"
   trees+=("$dir")
-  labels+=("$(basename "$dir")")
+  labels+=("$label")
 done
 trees+=("$THIS")
 labels+=(this)

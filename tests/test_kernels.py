@@ -467,21 +467,26 @@ def test_kv_cache_write_matches_reference(
     assert torch.equal(cache, expected)
 
 
-def decode_with_new_kv(case: PagedCase, plan, *, scale, seed, window=None):
-    """Run ``case`` (decodes) twice from the same cache: write_kv_cache then attention, and
-    attention with ``new_kv`` (the write inside the launch). Returns both (output, caches).
-    """
+def new_kv_inputs(case: PagedCase, seed: int):
+    """``(key, value, slot_mapping)`` of ``case``'s decodes: random keys and values as strided
+    views of one fused projection, as a model produces them, and each token's slot."""
     gen = torch.Generator().manual_seed(seed)
     t_pad, hkv, d = case.query.shape[0], case.key_cache.shape[2], case.query.shape[2]
-    # key and value as strided views of one fused projection, as a model produces them
     kv = torch.randn(t_pad, 2 * hkv, d, generator=gen).to(case.query.device, case.query.dtype)
-    key, value = kv[:, :hkv], kv[:, hkv:]
     bs = case.key_cache.shape[1]
     slots = torch.full((t_pad,), -1, dtype=torch.int64)
     for i, (computed, new) in enumerate(case.shapes):
         assert new == 1, "new_kv is for decodes"
         slots[i] = int(case.block_table[i, computed // bs]) * bs + computed % bs
-    slots = slots.to(case.query.device)
+    return kv[:, :hkv], kv[:, hkv:], slots.to(case.query.device)
+
+
+def decode_with_new_kv(case: PagedCase, plan, *, scale, seed, window=None):
+    """Run ``case`` (decodes) twice from the same cache: write_kv_cache then attention, and
+    attention with ``new_kv`` (the write inside the launch). Returns both (output, caches).
+    """
+    key, value, slots = new_kv_inputs(case, seed)
+    t_pad, hkv, d = case.query.shape[0], case.key_cache.shape[2], case.query.shape[2]
     results = []
     for fused in (False, True):
         caches = (case.key_cache.clone(), case.value_cache.clone())
@@ -756,10 +761,10 @@ def compile_for_hopper() -> list[dict]:
             device_type="cuda", num_splits=splits,
         )  # fmt: skip
         constants = ua.kernel_constants(
-            plan, block_size=16, dtype=dtype, device_type="cuda", sliding=sliding, soft_cap=soft_cap
-        )
+            plan, block_size=16, dtype=dtype, device_type="cuda", sliding=sliding,
+            soft_cap=soft_cap, pdl=True,  # as launched on Hopper (kernels/pdl.py)
+        )  # fmt: skip
         constants["WRITE_KV"] = tokens == 64  # decodes write the new keys in the launch
-        constants["PDL"] = True  # as launched on Hopper (kernels/pdl.py)
         options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
         kernel = ua._attention_kernel
         src = ASTSource(kernel, _signature(kernel, dtype), constants, _aligned(kernel))

@@ -81,7 +81,19 @@ def pdl_path_on_the_cpu(monkeypatch):
         pytest.skip("needs TRITON_INTERPRET=1 (the CPU suite's setting)")
     monkeypatch.setattr(tl.extra.cuda, "gdc_wait", _nothing)
     monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", _nothing)
+    PREFETCHED.clear()
+    for module in (gemv_module, attention_module):  # the interpreter cannot run the PTX
+        monkeypatch.setattr(module, "prefetch_l2", _record_prefetch)
     return monkeypatch
+
+
+PREFETCHED: list[int] = []  # the addresses the kernels asked L2 for, under the interpreter
+
+
+def _record_prefetch(ptrs):
+    """Stands in for ``prefetch.prefetch_l2`` under the interpreter (a plain function runs
+    there): notes the addresses instead of asking for them."""
+    PREFETCHED.extend(int(a) for a in ptrs.handle.data.ravel())
 
 
 @triton.jit
@@ -170,131 +182,282 @@ def test_decode_attention_pdl_path_computes_what_the_normal_path_does(
         assert all(torch.equal(c, w) for c, w in zip(caches, caches_want))
 
 
-# What a kernel may read before its PDL wait (pdl.py): what no kernel of a step writes. The
-# GEMVs: their weights. A decode attention launch (WRITE_KV): the step's metadata, copied in
-# before its first kernel, and L2 prefetch hints for its first key tile (they return no data).
-# Helpers named here read only those.
-GEMV_EARLY = dict(pointers={"w_ptrs", "up_ptrs"}, helpers=set())
-DECODE_ATTENTION_EARLY = dict(
-    pointers={"query_start_loc_ptr", "seq_lens_ptr", "slot_ptr"},
-    helpers={"_find_request", "_split_range", "_prefetch_tile"},  # metadata; L2 prefetch
-)
-NOTHING_EARLY = dict(pointers=set(), helpers=set())
+def test_decode_attention_prefetches_the_rows_of_its_first_key_tile(pdl_path_on_the_cpu):
+    """The decode PDL path's prefetch addresses, recorded under the interpreter: with one
+    split and every sequence within one key tile, exactly the lines of every request's key
+    and value rows, plus block 0's rows for the masked lanes; padding requests without
+    tokens (their query start is past the slots' end) ask for nothing else."""
+    from test_kernels import make_case, new_kv_inputs
+
+    shapes = [(0, 1), (15, 1), (20, 1), (7, 1)]
+    case = make_case(
+        shapes, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=5, pad_reqs=2
+    )
+    assert case.plan(1).tiles.tile_n > max(c + n for c, n in shapes)  # one tile each
+    key, value, slots = new_kv_inputs(case, seed=3)
+    out = torch.empty_like(case.query)
+    _with_pdl(
+        pdl_path_on_the_cpu,
+        lambda: attention_module.unified_attention(
+            case.query, case.key_cache, case.value_cache, out, case.block_table,
+            case.query_start_loc, case.seq_lens, case.plan(1), scale=0.1,
+            new_kv=(key, value, slots),
+        ),
+    )  # fmt: skip
+    bs, hkv, d = case.key_cache.shape[1:]
+    size = case.key_cache.element_size()
+    lines = range(0, d * size, 128)  # fp32 rows of 64: two lines each
+
+    def row_lines(cache, slot, head):
+        start = cache.data_ptr() + ((slot * hkv + head) * d) * size
+        return {start + line for line in lines}
+
+    want, block0 = set(), set()
+    for cache in (case.key_cache, case.value_cache):
+        for head in range(hkv):
+            for i, (computed, new) in enumerate(shapes):
+                for pos in range(computed + new):
+                    slot = int(case.block_table[i, pos // bs]) * bs + pos % bs
+                    want |= row_lines(cache, slot, head)
+            block0 |= {a for s in range(bs) for a in row_lines(cache, s, head)}
+    got = set(PREFETCHED)
+    assert want <= got <= want | block0
 
 
-def reads_before_the_wait(
-    source: str, constants: dict, pointers: set[str], helpers: set[str]
-) -> list[str]:
-    """What a Triton kernel's source does before its first ``gdc_wait()`` on the path that
-    ``constants`` (constexpr values) take, beyond what it may: a ``tl.load`` through a
-    pointer not in ``pointers``, a ``tl.store`` or atomic, or a call of a helper function not
-    in ``helpers`` (it may load). An ``if`` that ``constants`` decide follows its taken
-    branch, any other both; methods of values (``x.to(...)``) and other ``tl`` functions
-    touch no memory."""
-    found: list[str] = []
-    body = ast.parse(textwrap.dedent(source)).body[0].body
-    if not _walk_to_the_wait(body, constants, pointers, helpers, found):
-        raise AssertionError("the kernel never calls gdc_wait() on this path")
-    return found
+def test_gemv_prefetch_asks_for_the_lines_of_the_prefix(pdl_path_on_the_cpu):
+    """The GEMV's prefetch addresses, recorded under the interpreter: each line of the first
+    ``prefetch_bytes`` of the tensor (rounded up to a line) once or more, nothing past it."""
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    w = torch.randn(40, 256).to(torch.bfloat16)
+    nxt = torch.randn(96, 256).to(torch.bfloat16)
+    config = gemv_module.choose_gemv_config(1, 40, 256, gemv_module.CPU_NUM_SMS)
+    programs = -(-40 // config.block_n) * config.split_k
+    for nbytes, cap in ((1, None), (3000, None), (96 * 256 * 2, None), (10**9, None), (10**9, 4)):
+        if cap:  # each program asks for at most `cap` lines: the prefix is cut there
+            pdl_path_on_the_cpu.setattr(gemv_module, "MAX_PREFETCH_LINES", cap)
+        PREFETCHED.clear()
+        _with_pdl(pdl_path_on_the_cpu, lambda n=nbytes: gemv(x, w, prefetch=nxt, prefetch_bytes=n))
+        covered = -(-min(nbytes, nxt.numel() * 2) // 128)
+        if cap:
+            covered = min(covered, programs * cap)
+        assert set(PREFETCHED) == {nxt.data_ptr() + 128 * i for i in range(covered)}, nbytes
 
 
-def _walk_to_the_wait(stmts, constants, pointers, helpers, found) -> bool:
-    for stmt in stmts:
-        if isinstance(stmt, ast.If):
-            taken = _decide(stmt.test, constants)
-            if taken is not None:
-                if _walk_to_the_wait(
-                    stmt.body if taken else stmt.orelse, constants, pointers, helpers, found
-                ):
-                    return True
+# What a kernel may read before its PDL wait (pdl.py): what no kernel of a step writes, since
+# with kernels that signal at their start several kernels before it may still run. The GEMVs:
+# their weights. A decode attention launch (WRITE_KV): the step's metadata, copied in before
+# its first kernel. Prefetch hints (prefetch_l2) return no data and are always allowed.
+GEMV_EARLY = {"w_ptr"}
+DECODE_ATTENTION_EARLY = {"query_start_loc_ptr", "seq_lens_ptr", "slot_ptr", "block_table_ptr"}
+HINTS = {"prefetch_l2"}
+PURE_BUILTINS = {"range", "min", "max", "int", "float", "len"}
+
+
+def reads_before_the_wait(kernel, constants: dict, pointers: set[str], source: str | None = None):
+    """What a Triton kernel does before its ``gdc_wait()`` on the path that ``constants``
+    (constexpr values) take, beyond reading through ``pointers``: a load through any other
+    pointer, a store, an atomic or inline assembly (helpers are followed into, with their
+    parameters standing for the arguments given), a return, or a wait that not every program
+    reaches (under a runtime condition or in a loop). An ``if`` that ``constants`` decide
+    follows its taken branch, any other both; names assigned from a pointer expression stand
+    for its pointer. ``source`` replaces the kernel's own (for the controls)."""
+    walk = _EarlyReads(kernel.fn.__globals__, constants, pointers)
+    tree = ast.parse(textwrap.dedent(source or inspect.getsource(kernel.fn)))
+    if not walk.block(tree.body[0].body, certain=True):
+        raise AssertionError("the kernel never reaches gdc_wait() on this path")
+    return walk.found
+
+
+class _EarlyReads:
+    def __init__(self, namespace: dict, constants: dict, pointers: set[str], depth: int = 0):
+        self.namespace, self.constants, self.pointers = namespace, constants, pointers
+        self.aliases: dict[str, str] = {}
+        self.found: list[str] = []
+        self.depth = depth
+
+    def block(self, stmts, certain: bool) -> bool:
+        """Walk ``stmts``; True once a wait every program reaches is found."""
+        for stmt in stmts:
+            if isinstance(stmt, ast.If):
+                taken = _decide(stmt.test, self.constants)
+                if taken is not None:
+                    if self.block(stmt.body if taken else stmt.orelse, certain):
+                        return True
+                    continue
+                self.calls(stmt.test, certain)
+                self.block(stmt.body, certain=False)
+                self.block(stmt.orelse, certain=False)
                 continue
+            if isinstance(stmt, (ast.For, ast.While)):
+                self.calls(stmt.iter if isinstance(stmt, ast.For) else stmt.test, certain)
+                self.block(stmt.body, certain=False)  # may run no trip
+                continue
+            if isinstance(stmt, ast.Return):
+                if self.depth == 0:
+                    self.found.append("return before the wait")
+                if stmt.value is not None:
+                    self.calls(stmt.value, certain)
+                continue
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                target = stmt.targets[0]
+                root = self.root(stmt.value)
+                if isinstance(target, ast.Name) and root is not None:
+                    self.aliases[target.id] = root
+            if self.calls(stmt, certain):
+                return True
+        return False
+
+    def calls(self, node, certain: bool) -> bool:
+        """Check the calls in ``node`` in source order; True at a wait every program reaches."""
         calls = sorted(
-            (n for n in ast.walk(stmt) if isinstance(n, ast.Call)),
+            (n for n in ast.walk(node) if isinstance(n, ast.Call)),
             key=lambda n: (n.lineno, n.col_offset),
         )
         for call in calls:
             name = ast.unparse(call.func)
             if name.endswith("gdc_wait"):
-                return True
-            if name == "tl.load":
-                if _root(call.args[0]) not in pointers:
-                    found.append(ast.unparse(call))
-            elif name == "tl.store" or name.startswith("tl.atomic"):
-                found.append(ast.unparse(call))
-            elif isinstance(call.func, ast.Name) and name not in helpers:
-                found.append(ast.unparse(call))  # a helper's call: it may load
-    return False
+                if certain:
+                    return True
+                self.found.append("gdc_wait() that not every program reaches")
+            elif name == "tl.load":
+                pointer = call.args[0] if call.args else _keyword(call, "pointer")
+                if self.root(pointer) not in self.pointers:
+                    self.found.append(ast.unparse(call))
+            elif name in ("tl.store", "tl.inline_asm_elementwise") or name.startswith("tl.atomic"):
+                self.found.append(ast.unparse(call))
+            elif isinstance(call.func, ast.Attribute) and not name.startswith("tl."):
+                if call.func.attr in ("load", "store") or call.func.attr.startswith("atomic"):
+                    self.found.append(ast.unparse(call))  # a descriptor's or block's load
+            elif isinstance(call.func, ast.Name) and name not in HINTS | PURE_BUILTINS:
+                self.helper(call, name)
+        return False
+
+    def helper(self, call: ast.Call, name: str) -> None:
+        """Follow a helper with its parameters bound to what the call passes."""
+        fn = getattr(self.namespace.get(name), "fn", None)
+        if fn is None or self.depth > 4:
+            self.found.append(ast.unparse(call))  # not a Triton helper we can read
+            return
+        params = [
+            a.arg for a in ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].args.args
+        ]
+        allowed = {p for p, arg in zip(params, call.args) if self.root(arg) in self.pointers}
+        inner = _EarlyReads(fn.__globals__, self.constants, allowed, self.depth + 1)
+        inner.block(ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body, certain=False)
+        self.found += [f"{name}: {f}" for f in inner.found]
+
+    def root(self, expr) -> str | None:
+        """The pointer ``expr`` starts from, through this walk's aliases."""
+        while isinstance(expr, ast.BinOp):
+            expr = expr.left
+        if not isinstance(expr, ast.Name):
+            return None
+        seen = set()
+        name = expr.id
+        while name in self.aliases and name not in seen:
+            seen.add(name)
+            name = self.aliases[name]
+        return name
+
+
+def _keyword(call: ast.Call, name: str):
+    return next((k.value for k in call.keywords if k.arg == name), None)
 
 
 def _decide(test: ast.expr, constants: dict) -> bool | None:
-    """The value of an ``if`` test made of constexpr names only, else None."""
+    """The value of an ``if`` test made of constexpr names (and literals) only, else None."""
     names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
-    if not names or not names <= constants.keys():
+    if not names <= constants.keys():
         return None
     return bool(eval(compile(ast.Expression(test), "<test>", "eval"), {}, dict(constants)))
 
 
-def _root(pointer: ast.expr) -> str | None:
-    """The pointer argument a load's address starts from: ``p_ptr + i * s`` -> ``p_ptr``."""
-    while isinstance(pointer, ast.BinOp):
-        pointer = pointer.left
-    return pointer.id if isinstance(pointer, ast.Name) else None
+def _pdl_kernels() -> set[str]:
+    """Every Triton kernel in graphattn.kernels whose source waits (a PDL kernel)."""
+    import importlib
+    import pkgutil
+
+    import graphattn.kernels as package
+
+    found = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"graphattn.kernels.{info.name}")
+        for value in vars(module).values():
+            fn = getattr(value, "fn", None)
+            mine = fn is not None and fn.__module__ == module.__name__
+            if mine and "gdc_wait" in inspect.getsource(fn):
+                found.add(f"{info.name}.{fn.__name__}")
+    return found
 
 
 def test_pdl_kernels_read_before_the_wait_only_what_no_earlier_kernel_writes():
     """Every kernel launched with PDL, on each of its paths: the GEMVs read their first weight
-    tile before the wait, decode attention its metadata and older keys; a mixed batch's
-    attention and the split-KV reduction read nothing before it."""
-    from graphattn.kernels import split_kv, unified_attention
-
+    tile before the wait, decode attention its metadata; a mixed batch's attention and the
+    split-KV reduction read nothing before it; hints are allowed everywhere."""
+    attention = attention_module._attention_kernel
     cases = [
         (gemv_module._gemv_kernel, {"PDL": True}, GEMV_EARLY),
         (prologue_module._prologue_gemv_kernel, {"PDL": True}, GEMV_EARLY),
-        (unified_attention._attention_kernel, {"PDL": True, "WRITE_KV": True},
-         DECODE_ATTENTION_EARLY),
-        (unified_attention._attention_kernel, {"PDL": True, "WRITE_KV": False}, NOTHING_EARLY),
-        (split_kv._reduce_kernel, {"PDL": True}, NOTHING_EARLY),
-    ]  # fmt: skip
+        (attention, {"PDL": True, "WRITE_KV": True}, DECODE_ATTENTION_EARLY),
+        (attention, {"PDL": True, "WRITE_KV": False}, set()),
+        (split_kv_module._reduce_kernel, {"PDL": True}, set()),
+    ]
+    checked = set()
     for kernel, constants, early in cases:
-        source = inspect.getsource(kernel.fn)
-        assert reads_before_the_wait(source, constants, **early) == [], (kernel, constants)
+        assert reads_before_the_wait(kernel, constants, early) == [], (kernel, constants)
+        checked.add(f"{kernel.fn.__module__.rsplit('.', 1)[1]}.{kernel.fn.__name__}")
+    assert checked == _pdl_kernels()  # a new PDL kernel needs its case here
 
 
 def test_the_pdl_check_finds_early_reads():
-    """The controls: loads, stores and helpers moved before a wait are found."""
-    from graphattn.kernels import unified_attention
-
-    moved = inspect.getsource(prologue_module._prologue_gemv_kernel.fn).replace(
+    """The controls: loads, stores, returns, helpers and conditional waits moved before a
+    wait are found."""
+    prologue = prologue_module._prologue_gemv_kernel
+    moved = inspect.getsource(prologue.fn).replace(
         "        tl.extra.cuda.gdc_wait()\n",
         "        cos = tl.load(cos_ptr + pairs % HALF)\n        tl.extra.cuda.gdc_wait()\n",
         1,
     )
-    assert reads_before_the_wait(moved, {"PDL": True}, **GEMV_EARLY) == [
+    assert reads_before_the_wait(prologue, {"PDL": True}, GEMV_EARLY, moved) == [
         "tl.load(cos_ptr + pairs % HALF)"
     ]
-    early = "def k(x_ptr, w_ptrs):\n    w = tl.load(w_ptrs)\n    a = _prologue(x_ptr)\n    tl.extra.cuda.gdc_wait()\n"
-    assert reads_before_the_wait(early, {}, **GEMV_EARLY) == ["_prologue(x_ptr)"]
-    attention = inspect.getsource(unified_attention._attention_kernel.fn)
+    attention = attention_module._attention_kernel
+    source = inspect.getsource(attention.fn)
     wait = "        if PDL:  # q and the new key and value come from the kernel before\n"
-    assert attention.count(wait) == 1
+    assert source.count(wait) == 1
+    decode = {"PDL": True, "WRITE_KV": True}
     for line, want in [
         ("q0 = tl.load(q_ptr + q_start)", "tl.load(q_ptr + q_start)"),
-        (
-            "k0 = tl.load(new_k_ptr + q_start * stride_kt)",
-            "tl.load(new_k_ptr + q_start * stride_kt)",
-        ),
+        ("q0 = tl.load(pointer=q_ptr)", "tl.load(pointer=q_ptr)"),
+        ("k0 = tl.load(new_k_ptr + q_start)", "tl.load(new_k_ptr + q_start)"),
         ("tl.store(k_cache_ptr + slot, q_start)", "tl.store(k_cache_ptr + slot, q_start)"),
-    ]:
-        moved = attention.replace(wait, f"        {line}\n{wait}")
-        decode = {"PDL": True, "WRITE_KV": True}
-        assert reads_before_the_wait(moved, decode, **DECODE_ATTENTION_EARLY) == [want]
-    # a mixed batch's launch, its wait moved after the request search: found
-    mixed_wait = "    if PDL and not WRITE_KV:  # a mixed batch: the cache may come from the write kernel before\n        tl.extra.cuda.gdc_wait()\n"
+        ("slot_ptr = q_ptr", "tl.load(slot_ptr + tl.where(has_tile, q_start, 0))"),
+        ("r = _find_request(q_ptr, num_reqs, tile_id, BLOCK_Q)",
+         "_find_request: tl.load(query_start_loc_ptr + mid)"),
+        ("k0 = tl.load(k_cache_ptr + bt_row)", "tl.load(k_cache_ptr + bt_row)"),
+        ("if first >= q_len:\n            return", "return before the wait"),
+    ]:  # fmt: skip
+        if line.startswith("slot_ptr"):  # a rebinding before the slot's load
+            moved = source.replace(
+                "    if WRITE_KV:  # decodes:", f"    {line}\n    if WRITE_KV:  # decodes:", 1
+            )
+        else:
+            moved = source.replace(wait, f"        {line}\n{wait}")
+        assert want in reads_before_the_wait(attention, decode, DECODE_ATTENTION_EARLY, moved)
+    # a wait under a runtime condition: programs without a tile would not wait
+    conditional = source.replace(wait, "        if has_tile:\n", 1)
+    with pytest.raises(AssertionError, match="never reaches"):
+        reads_before_the_wait(attention, decode, DECODE_ATTENTION_EARLY, conditional)
+    # the mixed batch's wait moved after the request search: the search is found
+    mixed_wait = (
+        "    if PDL and not WRITE_KV:  # a mixed batch: the cache may come from the write "
+        "kernel before\n        tl.extra.cuda.gdc_wait()\n"
+    )
     search = "    req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)\n"
-    assert attention.count(mixed_wait) == 1 and attention.count(search) == 1
-    late = attention.replace(mixed_wait, "").replace(search, search + mixed_wait)
-    mixed = {"PDL": True, "WRITE_KV": False}
-    assert reads_before_the_wait(late, mixed, **NOTHING_EARLY) == [search.strip()[6:]]
+    assert source.count(mixed_wait) == 1 and source.count(search) == 1
+    late = source.replace(mixed_wait, "").replace(search, search + mixed_wait)
+    found = reads_before_the_wait(attention, {"PDL": True, "WRITE_KV": False}, set(), late)
+    assert found == ["_find_request: tl.load(query_start_loc_ptr + mid)"]
 
 
 def compile_gemvs_for_hopper() -> list[dict]:
@@ -324,7 +487,11 @@ def compile_gemvs_for_hopper() -> list[dict]:
         ),
         "gemv, one row": (
             gemv._gemv_kernel,
-            dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, EVEN_K=False, DOT=False),
+            dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, EVEN_K=False, DOT=False, PF_PAD=0),
+        ),
+        "gemv, one row, L2 prefetch of the next weight": (
+            gemv._gemv_kernel,
+            dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, EVEN_K=False, DOT=False, PF_PAD=8),
         ),
     }
     results = []
@@ -332,7 +499,7 @@ def compile_gemvs_for_hopper() -> list[dict]:
         for n in (None, 1):
             consts = {**constants, "STAGES": 3, "PDL": True}
             if kernel is gemv._gemv_kernel:
-                consts |= {"DOT_PRECISION": "tf32", "DOT_FP32": False}
+                consts |= {"DOT_PRECISION": "tf32", "DOT_FP32": False, "PF_LINE": 64}
             if n is not None:
                 consts["N"] = n
             sig = {}
@@ -349,11 +516,15 @@ def compile_gemvs_for_hopper() -> list[dict]:
                 options={"num_warps": 2, "num_stages": 3},
             )
             ptx = compiled.asm["ptx"]
+            wait = ptx.find("griddepcontrol.wait")
+            prefetch = ptx.find("prefetch.global.L2")
             results.append(
                 dict(
                     case=f"{label}, N={n or 'arg'}",
-                    wait="griddepcontrol.wait" in ptx,
+                    wait=wait >= 0,
                     signal="griddepcontrol.launch_dependents" in ptx,
+                    prefetch=None if prefetch < 0 else prefetch < wait,  # True: before the wait
+                    wants_prefetch=consts.get("PF_PAD", 0) > 0,
                 )
             )
     return results
@@ -372,9 +543,10 @@ def test_gemv_kernels_compile_for_hopper_with_pdl():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 8
+    assert len(results) == 10
     for r in results:
         assert r["wait"] and r["signal"], r
+        assert r["prefetch"] is (True if r["wants_prefetch"] else None), r
 
 
 @pytest.mark.gpu

@@ -44,6 +44,7 @@ from graphattn.kernels.checks import (
     expect_unit_last_stride,
 )
 from graphattn.kernels.pdl import launch_options
+from graphattn.kernels.prefetch import LINE_BYTES, line_elems, prefetch_l2
 
 MAX_ROWS = 16  # rows of x one launch takes; beyond that a GEMM (cuBLAS) reads the weight as well
 MAX_SPLIT_K = 16
@@ -101,6 +102,8 @@ def gemv(
     out: torch.Tensor | None = None,  # [M, N], x's dtype, unit column stride
     *,
     config: GemvConfig | None = None,
+    prefetch: torch.Tensor | None = None,
+    prefetch_bytes: int = 0,
 ) -> torch.Tensor:
     """``x @ weight.T`` in fp32 accumulation, stored in x's dtype; see the module.
 
@@ -108,10 +111,17 @@ def gemv(
     ``config`` None: ``choose_gemv_config`` for the shape and the device's SM count.
 
     With PDL (``pdl.py``) each program reads its first ``weight`` tile before waiting for
-    the kernel launched before it, so ``weight`` must not be an output of that kernel (a
-    parameter never is; ``GRAPHATTN_PDL=0`` for anything else).
+    the kernel launched before it; since some kernels signal their dependents at their start,
+    several kernels before it may still run then, so ``weight`` must not be written by any
+    kernel of the step (a parameter never is; ``GRAPHATTN_PDL=0`` for anything else).
+
+    ``prefetch``: a contiguous tensor (the next GEMV's weight) whose first ``prefetch_bytes``
+    the programs ask into L2 before that wait, split evenly among them (``prefetch.py``).
+    Only where the launch uses PDL: without it nothing runs ahead of the kernel before, and
+    the hints would compete with this GEMV's own loads.
     """
     _check(x, weight, out)
+    _check_prefetch(prefetch, prefetch_bytes, x.device)
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
@@ -122,11 +132,12 @@ def gemv(
         return out.zero_()
     if config is None:
         config = choose_gemv_config(m, n, k, _num_sms(x.device))
+    hint = (prefetch, prefetch_bytes) if prefetch is not None and prefetch_bytes else None
     if config.split_k == 1:
-        _launch(x, weight, out, out.stride(0), 0, config)
+        _launch(x, weight, out, out.stride(0), 0, config, hint)
         return out
     partial = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-    _launch(x, weight, partial, n, m * n, config)  # [S, M, N] fp32
+    _launch(x, weight, partial, n, m * n, config, hint)  # [S, M, N] fp32
     _sum_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK_N),)](
         partial,
         out,
@@ -147,14 +158,19 @@ def _launch(
     stride_dm: int,
     stride_ds: int,
     config: GemvConfig,
+    hint: tuple[torch.Tensor, int] | None = None,  # (tensor, bytes) to prefetch into L2
 ) -> None:
     (m, k), n = x.shape, weight.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     pdl = launch_options(x.device)
-    _gemv_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
+    grid = (triton.cdiv(n, config.block_n), config.split_k)
+    # only ahead of a PDL wait (so never under the interpreter, which cannot run the PTX)
+    pf = _prefetch_plan(hint, grid[0] * grid[1]) if pdl else _NO_PREFETCH
+    _gemv_kernel[grid](
         x,
         weight,
         dst,
+        pf.tensor if pf.tensor is not None else weight,  # unread without PF_PAD
         m,
         n,
         k,
@@ -163,6 +179,8 @@ def _launch(
         weight.stride(0),
         stride_dm,
         stride_ds,
+        pf.lines_per_program,
+        pf.last_line,
         BLOCK_M=16 if config.dot else triton.next_power_of_2(m),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -175,10 +193,57 @@ def _launch(
         # On the loop: Triton pipelines loads that feed no tl.dot only when the loop asks.
         STAGES=config.num_stages,
         PDL=bool(pdl),
+        PF_PAD=pf.pad,
+        PF_LINE=pf.line_elems,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl,
     )
+
+
+@dataclass(frozen=True)
+class _PrefetchPlan:
+    """Each program asks L2 for ``lines_per_program`` lines of ``tensor`` (its own share,
+    clamped to ``last_line``); ``pad`` (a power of two >= the share, 0 = none) sizes the
+    kernel's vector of line addresses."""
+
+    tensor: torch.Tensor | None = None
+    lines_per_program: int = 0
+    last_line: int = 0
+    pad: int = 0
+    line_elems: int = 1
+
+
+_NO_PREFETCH = _PrefetchPlan()
+MAX_PREFETCH_LINES = 1024  # per program: a few prefetch instructions per thread
+
+
+def _prefetch_plan(hint: tuple[torch.Tensor, int] | None, programs: int) -> _PrefetchPlan:
+    if hint is None:
+        return _NO_PREFETCH
+    tensor, nbytes = hint
+    nbytes = min(nbytes, tensor.numel() * tensor.element_size())
+    lines = triton.cdiv(nbytes, LINE_BYTES.value)
+    share = min(triton.cdiv(lines, programs), MAX_PREFETCH_LINES)
+    if share == 0:
+        return _NO_PREFETCH
+    last = min(lines, share * programs) - 1  # the cap can leave the end of the prefix out
+    return _PrefetchPlan(
+        tensor, share, last, triton.next_power_of_2(share), line_elems(tensor.element_size())
+    )
+
+
+def _check_prefetch(prefetch: torch.Tensor | None, nbytes: int, device: torch.device) -> None:
+    if prefetch is None:
+        if nbytes:
+            raise ValueError(f"prefetch_bytes={nbytes} without a prefetch tensor")
+        return
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"prefetch_bytes must be an int >= 0, got {nbytes!r}")
+    if prefetch.device != device:
+        raise ValueError(f"prefetch must be on {device}, got {prefetch.device}")
+    if not prefetch.is_contiguous():
+        raise ValueError(f"prefetch must be contiguous, got strides {tuple(prefetch.stride())}")
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -292,6 +357,7 @@ def _gemv_kernel(
     x_ptr,
     w_ptr,
     dst_ptr,  # out [M, N] (split_k == 1) or the fp32 workspace [S, M, N]
+    pf_ptr,  # asked into L2 before the PDL wait (PF_PAD > 0): the next GEMV's weight
     M,
     N,
     K,
@@ -300,6 +366,8 @@ def _gemv_kernel(
     stride_wn,
     stride_dm,
     stride_ds,
+    pf_lines,  # lines of pf_ptr per program
+    pf_last,  # the last line of pf_ptr to ask for
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -309,6 +377,8 @@ def _gemv_kernel(
     DOT_FP32: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with launch_pdl: first weight tile, wait, ..., signal (pdl.py)
+    PF_PAD: tl.constexpr,  # a power of two >= pf_lines; 0: no prefetch
+    PF_LINE: tl.constexpr,  # elements of pf_ptr per L2 line
 ):
     split = tl.program_id(1)
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
@@ -331,6 +401,11 @@ def _gemv_kernel(
     if PDL:  # the first tile: its weights before the wait (no kernel writes them), x after
         k_ok = (k_lo + cols < k_hi)[None, :]
         w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        if PF_PAD > 0:  # this program's share of the next weight, while the kernels before run
+            program = tl.program_id(0) * tl.num_programs(1) + split
+            share = tl.minimum(tl.arange(0, PF_PAD), pf_lines - 1)
+            line = tl.minimum(program.to(tl.int64) * pf_lines + share, pf_last)
+            prefetch_l2(pf_ptr + line * PF_LINE)
         tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptrs, mask=k_ok, other=0.0)
         acc = _gemv_tile(acc, w, x, BLOCK_M, DOT, DOT_PRECISION, DOT_FP32)

@@ -17,21 +17,24 @@ The kernels that use it, and how:
   slot and block ids: host-to-device copies made before the step's first kernel, written by
   no kernel) and asks L2 for its first key and value tile (``prefetch.global.L2``, a hint
   that returns no data, so nothing stale can be read); q, the new key and value and the
-  cache itself are read after it. The kernel right before it (the qkv projection or its
-  rotary) signals only after its own wait, so everything before that one has finished;
+  cache itself are read after it;
 - mixed-batch attention and the split-KV reduction (``split_kv.py``): every read after the
   wait (a mixed batch's cache may come from the write kernel just before);
 - in all of them every read of activations and every store comes after the wait, so a
-  kernel neither reads an input early nor overwrites a buffer an earlier kernel still reads;
+  kernel neither reads an input early nor overwrites a buffer an earlier kernel still reads.
+  Before the wait a kernel reads only what no kernel of the step writes (weights, the
+  step's metadata) and asks for prefetches: since some kernels signal at their start,
+  several kernels before it may still be running then, not only the one right before;
   every program waits (before any early return), so a kernel finishes only after everything
   before it has;
 - where each signals its dependents: the GEMVs and mixed-batch attention after their main
   loop, not at their start: signalling at the start let the next kernel's programs take SM
   slots and wait in them while this one still streamed, which measured slower
   (``benchmarks/pdl_chain.py``, docs/performance.md). Decode attention and the reduction
-  signal at their start: at one token they take few of the SMs' slots, and so the o_proj
-  GEMV after them has its weights in flight while they run (measured faster together with
-  the early metadata reads and prefetch, docs/performance.md, round 12).
+  signal at their start: at one token they take few of the SMs' slots, so the o_proj GEMV
+  after them can have its first weight tiles in flight while they run. With the early reads
+  and prefetch above, the batch-1 step measured 16-19 us faster than without both; neither
+  alone showed a gain (docs/performance.md, round 12).
 
 ``GRAPHATTN_PDL=0`` turns it off. It is off on the CPU (the Triton interpreter), on ROCm and
 before compute capability 9.0, where the kernels launch normally.

@@ -38,6 +38,7 @@ from graphattn.kernels.checks import (
 )
 from graphattn.kernels.kv_cache_write import check_write_args
 from graphattn.kernels.pdl import launch_options
+from graphattn.kernels.prefetch import LINE_BYTES, prefetch_l2
 from graphattn.kernels.split_kv import store_partial
 
 LOG2E = math.log2(math.e)
@@ -95,6 +96,7 @@ def unified_attention(
         device_type=query.device.type,
         sliding=sliding_window is not None,
         soft_cap=soft_cap is not None,
+        pdl=bool(pdl),
     )
     _attention_kernel[plan.grid](
         query,
@@ -126,7 +128,6 @@ def unified_attention(
         stride_vt,
         stride_vh,
         WRITE_KV=new_kv is not None,
-        PDL=bool(pdl),
         **constants,
         **pdl,
     )
@@ -143,8 +144,10 @@ def kernel_constants(
     device_type: str,
     sliding: bool,
     soft_cap: bool,
+    pdl: bool = False,
 ) -> dict[str, Any]:
-    """The attention kernel's constexpr arguments and launch options for ``plan``."""
+    """The attention kernel's constexpr arguments and launch options for ``plan`` (``pdl``:
+    launched with programmatic dependent launch, ``pdl.launch_options``)."""
     t = plan.tiles
     return dict(
         HEAD_SIZE=plan.head_size,
@@ -162,8 +165,11 @@ def kernel_constants(
         # The Triton interpreter's tl.dot multiplies bf16 bit patterns (triton#11584): on the
         # CPU multiply exactly upcast fp32 copies instead. Remove once the interpreter converts.
         DOT_FP32=device_type == "cpu" and dtype == torch.bfloat16,
-        # inline PTX: not for the interpreter (where nothing runs ahead of the wait anyway)
-        PREFETCH=device_type == "cuda",
+        PDL=pdl,
+        # where the decode launch has a PDL wait to run ahead of (so CUDA, sm_90 and later,
+        # never the interpreter, which cannot run the inline PTX); without one the hints
+        # would only compete with the kernel's own loads
+        PREFETCH=pdl,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
@@ -221,7 +227,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,  # launched with launch_pdl: see the waits below and kernels/pdl.py
-    PREFETCH: tl.constexpr,  # decodes on CUDA: the first key and value tile into L2 early
+    PREFETCH: tl.constexpr,  # decodes with PDL: the first key and value tile into L2 early
 ):
     if PDL and not WRITE_KV:  # a mixed batch: the cache may come from the write kernel before
         tl.extra.cuda.gdc_wait()
@@ -345,29 +351,17 @@ def _prefetch_tile(
     HEAD_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     """Ask L2 for the key and value rows of positions [lo, min(lo + TILE_N, hi)): one
-    ``prefetch.global.L2`` per 128-byte line, nothing waits for it (CUDA only)."""
+    prefetch per line (``prefetch.py``; CUDA only)."""
     n = lo + tl.arange(0, TILE_N)  # [N]
     n_ok = n < hi
     block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0)  # masked rows: block 0's
     rows = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head_off  # [N]
-    per_line: tl.constexpr = 128 // k_cache_ptr.dtype.element_ty.primitive_bitwidth * 8
+    per_line: tl.constexpr = LINE_BYTES * 8 // k_cache_ptr.dtype.element_ty.primitive_bitwidth
     lines: tl.constexpr = (HEAD_SIZE + per_line - 1) // per_line
     line = tl.arange(0, triton.next_power_of_2(lines))
     offs = rows[:, None] + (tl.minimum(line, lines - 1) * per_line)[None, :]  # [N, L]
-    _prefetch_l2(k_cache_ptr + offs)
-    _prefetch_l2(v_cache_ptr + offs)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-        "=r,l",
-        [ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    prefetch_l2(k_cache_ptr + offs)
+    prefetch_l2(v_cache_ptr + offs)
 
 
 @triton.jit
