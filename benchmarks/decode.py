@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import graphattn as ga
+from graphattn.envs import prefetch_mib
 from graphattn.kernels.pdl import use_pdl
 from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
 
@@ -1450,6 +1451,8 @@ def run_meta(s: Settings) -> dict:
         "env": {
             k: os.environ[k] for k in ("GRAPHATTN_PDL", "GRAPHATTN_PREFETCH_MIB") if k in os.environ
         },
+        # what the opt-in prefetch_next_weight pass asks for, set or not (envs.py)
+        "prefetch_mib": prefetch_mib(),
         "python": platform.python_version(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "model": dataclasses.asdict(cfg),

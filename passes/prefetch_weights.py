@@ -5,8 +5,9 @@ At one token each layer's attention and its split-KV reduction take a few micros
 which the memory is nearly idle. The o_proj GEMV after them starts early (decode attention
 and the reduction signal their dependents at their start, ``kernels/pdl.py``), and its
 programs wait for the reduction with their first weight tile loaded. The pass rewrites that
-GEMV, a one-row ``gemv`` whose input comes from outside its graph piece (the attention op
-the piecewise split cut at), into ``gemv_prefetch``: the same product, whose programs
+GEMV, a one-row ``gemv`` whose input comes from outside its graph piece (in a model split at
+its attention ops, as graphattn's compiler splits it, that is o_proj; without the split, no
+GEMV's input is a graph input and the pass rewrites nothing), into ``gemv_prefetch``: the same product, whose programs
 also ask L2, before their PDL wait, for the first ``prefetch_bytes()`` of the weight of the
 next GEMV in the piece (gate_up), so that one reads that part from L2 instead of HBM.
 Prefetches return no data, and weights are parameters no kernel writes.
@@ -14,7 +15,9 @@ Prefetches return no data, and weights are parameters no kernel writes.
 Opt-in: built and tested on the CPU (the rewrite; the kernel's PTX), not yet measured on
 the GPU. Whether it pays depends on the memory really idling while attention runs and on
 the lines surviving in L2 until gate_up reads them; ``GRAPHATTN_PREFETCH_MIB`` (default 16)
-sets the amount for a sweep.
+sets the amount for a sweep. Each program asks for at most ``MAX_PREFETCH_LINES`` lines
+(``kernels/gemv.py``), so a GEMV of few programs asks for less: o_proj of the Llama-3.2-1B
+shape (512 programs) asks for up to 64 MiB.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class PrefetchNextWeightPass(GraphPass):
             following = next((w for w in map(_weight_of, nodes[i + 1 :]) if w is not None), None)
             if following is None or budget == 0:
                 continue
+            if following.meta["val"].device != node.args[0].meta["val"].device:
+                continue  # the GEMV asks for lines of its own device only
             value = following.meta["val"]
             nbytes = min(budget, value.numel() * value.element_size())
             with graph.inserting_before(node):

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ import triton.language as tl
 from graphattn.envs import triton_interpret
 from graphattn.kernels import gemv as gemv_module
 from graphattn.kernels import pdl
+from graphattn.kernels import prefetch as prefetch_module
 from graphattn.kernels import prologue_gemv as prologue_module
 from graphattn.kernels import split_kv as split_kv_module
 from graphattn.kernels import unified_attention as attention_module
@@ -236,7 +238,10 @@ def test_gemv_prefetch_asks_for_the_lines_of_the_prefix(pdl_path_on_the_cpu):
         if cap:  # each program asks for at most `cap` lines: the prefix is cut there
             pdl_path_on_the_cpu.setattr(gemv_module, "MAX_PREFETCH_LINES", cap)
         PREFETCHED.clear()
-        _with_pdl(pdl_path_on_the_cpu, lambda n=nbytes: gemv(x, w, prefetch=nxt, prefetch_bytes=n))
+        got = _with_pdl(
+            pdl_path_on_the_cpu, lambda n=nbytes: gemv(x, w, prefetch=nxt, prefetch_bytes=n)
+        )
+        assert torch.equal(got, gemv(x, w))
         covered = -(-min(nbytes, nxt.numel() * 2) // 128)
         if cap:
             covered = min(covered, programs * cap)
@@ -246,33 +251,41 @@ def test_gemv_prefetch_asks_for_the_lines_of_the_prefix(pdl_path_on_the_cpu):
 # What a kernel may read before its PDL wait (pdl.py): what no kernel of a step writes, since
 # with kernels that signal at their start several kernels before it may still run. The GEMVs:
 # their weights. A decode attention launch (WRITE_KV): the step's metadata, copied in before
-# its first kernel. Prefetch hints (prefetch_l2) return no data and are always allowed.
+# its first kernel. Prefetch hints (prefetch.prefetch_l2) return no data and are allowed.
 GEMV_EARLY = {"w_ptr"}
 DECODE_ATTENTION_EARLY = {"query_start_loc_ptr", "seq_lens_ptr", "slot_ptr", "block_table_ptr"}
-HINTS = {"prefetch_l2"}
 PURE_BUILTINS = {"range", "min", "max", "int", "float", "len"}
+MEMORY_OPS = ("load", "store", "atomic", "inline_asm", "descriptor")  # tl.* names that touch memory
 
 
 def reads_before_the_wait(kernel, constants: dict, pointers: set[str], source: str | None = None):
     """What a Triton kernel does before its ``gdc_wait()`` on the path that ``constants``
     (constexpr values) take, beyond reading through ``pointers``: a load through any other
-    pointer, a store, an atomic or inline assembly (helpers are followed into, with their
-    parameters standing for the arguments given), a return, or a wait that not every program
-    reaches (under a runtime condition or in a loop). An ``if`` that ``constants`` decide
-    follows its taken branch, any other both; names assigned from a pointer expression stand
-    for its pointer. ``source`` replaces the kernel's own (for the controls)."""
-    walk = _EarlyReads(kernel.fn.__globals__, constants, pointers)
+    pointer, a store, an atomic, inline assembly or a descriptor (helpers are followed into,
+    their parameters standing for the arguments given), a return, or a wait that not every
+    program reaches (under a runtime condition, in a loop or a ``with``). An ``if`` that
+    ``constants`` decide follows its taken branch, any other both. A name assigned from an
+    expression stands for every pointer in it (through both branches of an undecided ``if``);
+    a load's address may only involve allowed pointers. ``source`` replaces the kernel's
+    own (for the controls)."""
+    walk = _EarlyReads(kernel.fn.__globals__, constants, pointers, _params(kernel.fn))
     tree = ast.parse(textwrap.dedent(source or inspect.getsource(kernel.fn)))
     if not walk.block(tree.body[0].body, certain=True):
         raise AssertionError("the kernel never reaches gdc_wait() on this path")
-    return walk.found
+    return list(walk.found)
+
+
+def _params(fn) -> list[str]:
+    return [a.arg for a in ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].args.args]
 
 
 class _EarlyReads:
-    def __init__(self, namespace: dict, constants: dict, pointers: set[str], depth: int = 0):
+    def __init__(self, namespace, constants, pointers, params, depth: int = 0):
         self.namespace, self.constants, self.pointers = namespace, constants, pointers
-        self.aliases: dict[str, str] = {}
-        self.found: list[str] = []
+        # every name that may hold a pointer -> the parameters it may come from
+        self.aliases: dict[str, set[str]] = {p: {p} for p in params if p.endswith("_ptr")}
+        self.aliases |= {p: {p} for p in pointers}
+        self.found = _Findings()
         self.depth = depth
 
     def block(self, stmts, certain: bool) -> bool:
@@ -285,12 +298,20 @@ class _EarlyReads:
                         return True
                     continue
                 self.calls(stmt.test, certain)
+                before = {k: set(v) for k, v in self.aliases.items()}
                 self.block(stmt.body, certain=False)
+                after_body, self.aliases = self.aliases, before
                 self.block(stmt.orelse, certain=False)
+                for name, roots in after_body.items():  # either branch may have run
+                    self.aliases[name] = self.aliases.get(name, set()) | roots
                 continue
             if isinstance(stmt, (ast.For, ast.While)):
                 self.calls(stmt.iter if isinstance(stmt, ast.For) else stmt.test, certain)
                 self.block(stmt.body, certain=False)  # may run no trip
+                self.block(stmt.body, certain=False)  # a second trip sees the first's names
+                continue
+            if isinstance(stmt, (ast.With, ast.Try)):
+                self.block(stmt.body, certain=False)
                 continue
             if isinstance(stmt, ast.Return):
                 if self.depth == 0:
@@ -298,14 +319,27 @@ class _EarlyReads:
                 if stmt.value is not None:
                     self.calls(stmt.value, certain)
                 continue
-            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-                target = stmt.targets[0]
-                root = self.root(stmt.value)
-                if isinstance(target, ast.Name) and root is not None:
-                    self.aliases[target.id] = root
+            self.assign(stmt)
             if self.calls(stmt, certain):
                 return True
         return False
+
+    def assign(self, stmt) -> None:
+        """Names bound by ``stmt`` stand for every pointer its value involves."""
+        if isinstance(stmt, ast.Assign):
+            targets, value = stmt.targets, stmt.value
+        elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) and stmt.value is not None:
+            targets, value = [stmt.target], stmt.value
+        else:
+            return
+        roots = self.roots(value)
+        names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        for name in names:
+            kept = self.aliases.get(name, set()) if isinstance(stmt, ast.AugAssign) else set()
+            if roots or kept:
+                self.aliases[name] = roots | kept
+            else:
+                self.aliases.pop(name, None)
 
     def calls(self, node, certain: bool) -> bool:
         """Check the calls in ``node`` in source order; True at a wait every program reaches."""
@@ -315,49 +349,76 @@ class _EarlyReads:
         )
         for call in calls:
             name = ast.unparse(call.func)
+            target = self.resolve(call.func)
             if name.endswith("gdc_wait"):
                 if certain:
                     return True
                 self.found.append("gdc_wait() that not every program reaches")
-            elif name == "tl.load":
+            elif target is prefetch_module.prefetch_l2:
+                continue  # a hint: no data comes back
+            elif name in ("tl.load", "tl.core.load"):
                 pointer = call.args[0] if call.args else _keyword(call, "pointer")
-                if self.root(pointer) not in self.pointers:
+                roots = self.roots(pointer)
+                if not roots or not roots <= self.pointers:
                     self.found.append(ast.unparse(call))
-            elif name in ("tl.store", "tl.inline_asm_elementwise") or name.startswith("tl.atomic"):
+            elif name.startswith("tl.") and any(op in name.rsplit(".", 1)[-1] for op in MEMORY_OPS):
                 self.found.append(ast.unparse(call))
-            elif isinstance(call.func, ast.Attribute) and not name.startswith("tl."):
-                if call.func.attr in ("load", "store") or call.func.attr.startswith("atomic"):
-                    self.found.append(ast.unparse(call))  # a descriptor's or block's load
-            elif isinstance(call.func, ast.Name) and name not in HINTS | PURE_BUILTINS:
-                self.helper(call, name)
+            elif getattr(target, "fn", None) is not None:
+                self.helper(call, name, target.fn)
+            elif isinstance(call.func, ast.Name) and name not in PURE_BUILTINS:
+                self.found.append(ast.unparse(call))  # not a Triton helper we can read
+            elif (
+                isinstance(call.func, ast.Attribute)
+                and not name.startswith("tl.")
+                and any(call.func.attr.startswith(op) for op in MEMORY_OPS)
+            ):
+                self.found.append(ast.unparse(call))  # a descriptor's or block's load
         return False
 
-    def helper(self, call: ast.Call, name: str) -> None:
+    def resolve(self, func):
+        """The object a called name or ``module.name`` refers to in the kernel's module."""
+        if isinstance(func, ast.Name):
+            return self.namespace.get(func.id)
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            base = self.namespace.get(func.value.id)
+            if isinstance(base, types.ModuleType):
+                return getattr(base, func.attr, None)
+        return None
+
+    def helper(self, call: ast.Call, name: str, fn) -> None:
         """Follow a helper with its parameters bound to what the call passes."""
-        fn = getattr(self.namespace.get(name), "fn", None)
-        if fn is None or self.depth > 4:
-            self.found.append(ast.unparse(call))  # not a Triton helper we can read
+        if self.depth > 4:
+            self.found.append(ast.unparse(call))
             return
-        params = [
-            a.arg for a in ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].args.args
-        ]
-        allowed = {p for p, arg in zip(params, call.args) if self.root(arg) in self.pointers}
-        inner = _EarlyReads(fn.__globals__, self.constants, allowed, self.depth + 1)
+        params = _params(fn)
+        bound = list(zip(params, call.args)) + [(k.arg, k.value) for k in call.keywords]
+        allowed = {p for p, arg in bound if (r := self.roots(arg)) and r <= self.pointers}
+        inner = _EarlyReads(fn.__globals__, self.constants, allowed, params, self.depth + 1)
+        for p, arg in bound:  # a parameter given a pointer stands for it, allowed or not
+            if self.roots(arg):
+                inner.aliases[p] = {p}
         inner.block(ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body, certain=False)
         self.found += [f"{name}: {f}" for f in inner.found]
 
-    def root(self, expr) -> str | None:
-        """The pointer ``expr`` starts from, through this walk's aliases."""
-        while isinstance(expr, ast.BinOp):
-            expr = expr.left
-        if not isinstance(expr, ast.Name):
-            return None
-        seen = set()
-        name = expr.id
-        while name in self.aliases and name not in seen:
-            seen.add(name)
-            name = self.aliases[name]
-        return name
+    def roots(self, expr) -> set[str]:
+        """Every parameter pointer ``expr`` may involve."""
+        if expr is None:
+            return set()
+        names = [n.id for n in ast.walk(expr) if isinstance(n, ast.Name)]
+        return set().union(*(self.aliases.get(n, set()) for n in names))
+
+
+class _Findings(list):
+    """Findings in the order met, each once (loops are walked twice)."""
+
+    def append(self, item: str) -> None:
+        if item not in self:
+            super().append(item)
+
+    def __iadd__(self, items):
+        for item in items:
+            self.append(item)
+        return self
 
 
 def _keyword(call: ast.Call, name: str):
@@ -373,7 +434,8 @@ def _decide(test: ast.expr, constants: dict) -> bool | None:
 
 
 def _pdl_kernels() -> set[str]:
-    """Every Triton kernel in graphattn.kernels whose source waits (a PDL kernel)."""
+    """Every Triton kernel in graphattn.kernels that takes a PDL constexpr (one launched with
+    programmatic dependent launch where it is on)."""
     import importlib
     import pkgutil
 
@@ -384,8 +446,7 @@ def _pdl_kernels() -> set[str]:
         module = importlib.import_module(f"graphattn.kernels.{info.name}")
         for value in vars(module).values():
             fn = getattr(value, "fn", None)
-            mine = fn is not None and fn.__module__ == module.__name__
-            if mine and "gdc_wait" in inspect.getsource(fn):
+            if fn is not None and fn.__module__ == module.__name__ and "PDL" in _params(fn):
                 found.add(f"{info.name}.{fn.__name__}")
     return found
 
@@ -421,6 +482,25 @@ def test_the_pdl_check_finds_early_reads():
     assert reads_before_the_wait(prologue, {"PDL": True}, GEMV_EARLY, moved) == [
         "tl.load(cos_ptr + pairs % HALF)"
     ]
+    kernel = gemv_module._gemv_kernel
+    gemv_source = inspect.getsource(kernel.fn)
+    first_tile = "        w = tl.load(w_ptrs, mask=k_ok, other=0.0)\n        if PF_PAD > 0:"
+    assert gemv_source.count(first_tile) == 1
+    for lines, want in [
+        # a pointer chosen under a runtime condition: either may be loaded through
+        (["if M > 1:", "    w_ptrs = x_ptrs"], "tl.load(w_ptrs, mask=k_ok, other=0.0)"),
+        (["w_ptrs = tl.where(M > 0, x_ptrs, w_ptrs)"], "tl.load(w_ptrs, mask=k_ok, other=0.0)"),
+        (["w_ptrs, k_ok = (x_ptrs, k_ok)"], "tl.load(w_ptrs, mask=k_ok, other=0.0)"),
+        (["w_ptrs += x_ptrs - w_ptrs"], "tl.load(w_ptrs, mask=k_ok, other=0.0)"),
+        (["a = tl.load(w_ptr + (x_ptr - w_ptr))"], "tl.load(w_ptr + (x_ptr - w_ptr))"),
+        (["d = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [1, 16])"],
+         "tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [1, 16])"),
+        (["v = d.load([0, 0])"], "d.load([0, 0])"),
+    ]:  # fmt: skip
+        moved = gemv_source.replace(
+            first_tile, "".join(f"        {x}\n" for x in lines) + first_tile
+        )
+        assert want in reads_before_the_wait(kernel, {"PDL": True}, GEMV_EARLY, moved), lines
     attention = attention_module._attention_kernel
     source = inspect.getsource(attention.fn)
     wait = "        if PDL:  # q and the new key and value come from the kernel before\n"
@@ -436,6 +516,10 @@ def test_the_pdl_check_finds_early_reads():
          "_find_request: tl.load(query_start_loc_ptr + mid)"),
         ("k0 = tl.load(k_cache_ptr + bt_row)", "tl.load(k_cache_ptr + bt_row)"),
         ("if first >= q_len:\n            return", "return before the wait"),
+        # a helper called through its module is followed: its store is found
+        ("split_kv.store_partial(part_out_ptr, part_lse_ptr, q, q, token, head, row_ok, "
+         "row_ok, dims, 0, 1, 1, HEAD_SIZE)",
+         "split_kv.store_partial: tl.store(part_lse_ptr + row, lse, mask=row_ok)"),
     ]:  # fmt: skip
         if line.startswith("slot_ptr"):  # a rebinding before the slot's load
             moved = source.replace(
