@@ -132,6 +132,19 @@ def test_gemv_checks_its_prefetch_and_ignores_it_without_pdl():
         gemv(x, w, prefetch=nxt, prefetch_bytes=-1)
 
 
+def _count_gemvs(monkeypatch) -> collections.Counter:
+    """Counts the GEMV launches, with and without a prefetch, from now on."""
+    calls = collections.Counter()
+    launch = gemv_kernels.gemv
+
+    def counting(x, weight, *args, prefetch=None, prefetch_bytes=0, **kwargs):
+        calls["prefetch" if prefetch is not None else "plain"] += 1
+        return launch(x, weight, *args, prefetch=prefetch, prefetch_bytes=prefetch_bytes, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "gemv", counting)
+    return calls
+
+
 @pytest.mark.gpu
 def test_gpu_prefetching_gemvs_in_a_cuda_graph_match_plain_ones():
     """A chain of PDL GEMVs, each asking L2 for the next one's weight, captured in a CUDA
@@ -173,14 +186,7 @@ def test_gpu_engine_with_the_pass_prefetches_in_o_proj_and_matches(monkeypatch, 
     decode step gives the bits of an engine without it."""
     from helpers import small_bf16_llama
 
-    calls = collections.Counter()
-    launch = gemv_kernels.gemv
-
-    def counting(x, weight, *args, prefetch=None, prefetch_bytes=0, **kwargs):
-        calls["prefetch" if prefetch is not None else "plain"] += 1
-        return launch(x, weight, *args, prefetch=prefetch, prefetch_bytes=prefetch_bytes, **kwargs)
-
-    monkeypatch.setattr(gemv_kernels, "gemv", counting)
+    calls = _count_gemvs(monkeypatch)
     model = small_bf16_llama(512, 256, 512, device="cuda", norms_off_one=True)
     common = dict(
         max_num_seqs=4, max_num_tokens=64, max_model_len=128, num_blocks=32,
@@ -209,14 +215,7 @@ def test_a_compiled_llama_with_the_pass_calls_it_and_starts_warm(monkeypatch, tm
     from graphattn.passes import single_row_gemv
 
     monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
-    calls = collections.Counter()
-    launch = gemv_kernels.gemv
-
-    def counting(x, weight, *args, prefetch=None, prefetch_bytes=0, **kwargs):
-        calls["prefetch" if prefetch is not None else "plain"] += 1
-        return launch(x, weight, *args, prefetch=prefetch, prefetch_bytes=prefetch_bytes, **kwargs)
-
-    monkeypatch.setattr(gemv_kernels, "gemv", counting)
+    calls = _count_gemvs(monkeypatch)
     model = small_bf16_llama(128, 64, 96, norms_off_one=True)
     common = dict(
         cudagraph_mode="NONE", attention_backend="TORCH_REF", compile_sizes=(1,),
