@@ -7,10 +7,11 @@ and the reduction signal their dependents at their start, ``kernels/pdl.py``), a
 programs wait for the reduction with their first weight tile loaded. The pass rewrites that
 GEMV, a one-row ``gemv`` whose input comes from outside its graph piece (in a model split at
 its attention ops, as graphattn's compiler splits it, that is o_proj; without the split, no
-GEMV's input is a graph input and the pass rewrites nothing), into ``gemv_prefetch``: the same product, whose programs
-also ask L2, before their PDL wait, for the first ``prefetch_bytes()`` of the weight of the
-next GEMV in the piece (gate_up), so that one reads that part from L2 instead of HBM.
-Prefetches return no data, and weights are parameters no kernel writes.
+GEMV's input is a graph input and the pass rewrites nothing), into ``gemv_prefetch``: the
+same product, whose programs also ask L2, before their PDL wait, for the first
+``prefetch_bytes()`` of the weight of the next GEMV in the piece (gate_up), so that one
+reads that part from L2 instead of HBM. Prefetches return no data, and weights are
+parameters no kernel writes.
 
 Opt-in: built and tested on the CPU (the rewrite; the kernel's PTX), not yet measured on
 the GPU. Whether it pays depends on the memory really idling while attention runs and on
@@ -70,13 +71,15 @@ class PrefetchNextWeightPass(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         budget = prefetch_bytes()
+        if budget == 0:
+            return 0
         nodes = list(graph.nodes)
         changed = 0
         for i, node in enumerate(nodes):
             if node.target is not GEMV_OP or not _from_outside(node.args[0]):
                 continue
             following = next((w for w in map(_weight_of, nodes[i + 1 :]) if w is not None), None)
-            if following is None or budget == 0:
+            if following is None:
                 continue
             if following.meta["val"].device != node.args[0].meta["val"].device:
                 continue  # the GEMV asks for lines of its own device only

@@ -353,9 +353,8 @@ def _prefetch_tile(
     """Ask L2 for the key and value rows of positions [lo, min(lo + TILE_N, hi)): one
     prefetch per line (``prefetch.py``; CUDA only)."""
     n = lo + tl.arange(0, TILE_N)  # [N]
-    n_ok = n < hi
-    block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0)  # masked rows: block 0's
-    rows = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head_off  # [N]
+    # masked rows: block 0's, inside the cache
+    rows = _kv_rows(bt_row, kv_head_off, n, n < hi, stride_cb, stride_cs, BLOCK_SIZE, True)
     per_line: tl.constexpr = LINE_BYTES * 8 // k_cache_ptr.dtype.element_ty.primitive_bitwidth
     lines: tl.constexpr = (HEAD_SIZE + per_line - 1) // per_line
     line = tl.arange(0, triton.next_power_of_2(lines))
@@ -433,11 +432,7 @@ def _load_kv(
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """Key and value tiles [N, D] of positions ``n``, gathered through the block table."""
-    if MASKED:
-        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0)
-    else:
-        block = tl.load(bt_row + n // BLOCK_SIZE)
-    rows = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head_off  # [N]
+    rows = _kv_rows(bt_row, kv_head_off, n, n_ok, stride_cb, stride_cs, BLOCK_SIZE, MASKED)
     offs = rows[:, None] + dims[None, :]  # [N, D]
     if MASKED:
         mask = n_ok[:, None] & (dims < HEAD_SIZE)[None, :]
@@ -451,6 +446,21 @@ def _load_kv(
         k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _kv_rows(
+    bt_row, kv_head_off, n, n_ok, stride_cb, stride_cs,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """[N] element offsets of positions ``n``'s rows of one KV head in a cache (both caches
+    share the layout), through the request's block-table row; with MASKED, block 0's rows
+    where not ``n_ok``."""
+    if MASKED:
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0)
+    else:
+        block = tl.load(bt_row + n // BLOCK_SIZE)
+    return block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head_off
 
 
 @triton.jit
