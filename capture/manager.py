@@ -96,12 +96,8 @@ class CaptureManager:
         torch.cuda.synchronize(self.state.device)
         seconds = time.perf_counter() - start
         used = free_before - torch.cuda.mem_get_info(self.state.device)[0]
-        info = {
-            "sizes": {
-                str(m): [k.num_tokens for k in self.dispatcher.keys[m]]
-                for m in (M.FULL, M.PIECEWISE)
-                if self.dispatcher.keys[m]
-            },
+        info = summarize_keys(self.dispatcher.keys)
+        info |= {
             "graphs": self.state.num_graphs,
             "seconds": round(seconds, 2),
             "graph_memory_mib": round(used / 2**20, 1),
@@ -115,3 +111,27 @@ class CaptureManager:
             info["graph_memory_mib"],
         )
         return info
+
+
+def summarize_keys(keys: dict[CUDAGraphMode, list[BatchDescriptor]]) -> dict[str, Any]:
+    """The report's view of the captured keys: each mode's sizes once, and, where there are
+    full graphs, which batches they serve at each size (FULL can capture a uniform-decode
+    graph and a mixed-batch graph of the same size).
+    """
+    info: dict[str, Any] = {
+        "sizes": {
+            str(m): sorted({k.num_tokens for k in keys[m]})
+            for m in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE)
+            if keys[m]
+        }
+    }
+    full = keys[CUDAGraphMode.FULL]
+    kinds = {
+        "uniform decode": [k for k in full if k.uniform_decode],
+        "mixed": [k for k in full if not k.uniform_decode],
+    }
+    if full:
+        info["full_graphs"] = {
+            kind: sorted(k.num_tokens for k in ks) for kind, ks in kinds.items() if ks
+        }
+    return info

@@ -192,6 +192,7 @@ def test_report_shows_capture(model, cache_dir):
     _, eng = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE)
     cap = eng.report.capture
     assert cap["sizes"] == {"FULL": SIZES, "PIECEWISE": SIZES}
+    assert cap["full_graphs"] == {"uniform decode": SIZES}  # mixed batches run piecewise
     assert cap["graphs"] > 0 and cap["seconds"] > 0 and cap["graph_memory_mib"] >= 0
     assert eng.report.compile["num_pieces"] == 2 * 3 + 1  # 3 layers: 3 attention + 4 compiled
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import graphattn as ga
 from graphattn.attention import AttentionCGSupport as S
 from graphattn.capture.dispatcher import ABOVE_LARGEST, BatchDescriptor, CudagraphDispatcher
+from graphattn.capture.manager import summarize_keys
 from graphattn.capture.mode import CUDAGraphMode as M
 from graphattn.capture.resolve import resolve_cudagraph_mode
 from graphattn.capture.sizes import clip_capture_sizes, default_capture_sizes
@@ -166,6 +167,24 @@ def test_capture_order_full_first_largest_first():
         (M.PIECEWISE, BatchDescriptor(2)),
         (M.PIECEWISE, BatchDescriptor(1)),
     ]
+
+
+def test_report_lists_each_size_once_and_what_its_full_graphs_serve():
+    # FULL captures a uniform-decode and a mixed graph of each size (up to max_num_seqs
+    # requests for the first): the report says so instead of listing sizes twice
+    full = summarize_keys(CudagraphDispatcher(M.FULL, [1, 2, 4, 8], max_num_seqs=4).keys)
+    assert full == {
+        "sizes": {"FULL": [1, 2, 4, 8]},
+        "full_graphs": {"uniform decode": [1, 2, 4], "mixed": [1, 2, 4, 8]},
+    }
+    fap = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [1, 2, 4, 8], 8, uniform_decode_query_len=2)
+    assert summarize_keys(fap.keys) == {
+        "sizes": {"FULL": [2, 4, 8], "PIECEWISE": [1, 2, 4, 8]},
+        "full_graphs": {"uniform decode": [2, 4, 8]},
+    }
+    assert summarize_keys(CudagraphDispatcher(M.PIECEWISE, [1, 2], 2).keys) == {
+        "sizes": {"PIECEWISE": [1, 2]}
+    }
 
 
 @pytest.fixture(scope="module")
