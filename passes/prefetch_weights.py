@@ -13,10 +13,11 @@ same product, whose programs also ask L2, before their PDL wait, for the first
 reads that part from L2 instead of HBM. Prefetches return no data, and weights are
 parameters no kernel writes.
 
-Opt-in: built and tested on the CPU (the rewrite; the kernel's PTX), not yet measured on
-the GPU. Whether it pays depends on the memory really idling while attention runs and on
-the lines surviving in L2 until gate_up reads them; ``GRAPHATTN_PREFETCH_MIB`` (default 16)
-sets the amount for a sweep. Each program asks for at most ``MAX_PREFETCH_LINES`` lines
+Opt-in, because it measured no gain: on an H200 (docs/performance.md, round 13) the
+Llama-3.2-1B-shaped decode step at one token took 0.823 ms without it, 0.823 / 0.818 ms with
+8 / 16 MiB (within the spread) and 0.854 ms with 32. Whether the lines survive in L2 until
+gate_up reads them, and what the traffic does to attention's loads, was not measured.
+``GRAPHATTN_PREFETCH_MIB`` (default 16) sets the amount. Each program asks for at most ``MAX_PREFETCH_LINES`` lines
 (``kernels/gemv.py``), so a GEMV of few programs asks for less: o_proj of the Llama-3.2-1B
 shape (512 programs) asks for up to 64 MiB.
 """
