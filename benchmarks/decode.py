@@ -44,6 +44,7 @@ import torch
 
 import graphattn as ga
 from graphattn.envs import prefetch_mib
+from graphattn.kernels.attention_plan import MERGE_ENV, describe_merge
 from graphattn.kernels.pdl import use_pdl
 from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
 
@@ -54,6 +55,8 @@ if str(ROOT) not in sys.path:
 from benchmarks.baseline import StaticLlama  # noqa: E402
 
 PARTS = ("floor", "latency", "trace", "mixed", "host", "startup")
+# graphattn's environment variables that change what a step runs, recorded in meta.env
+RUN_VARIABLES = ("GRAPHATTN_PDL", "GRAPHATTN_PREFETCH_MIB", MERGE_ENV, "GRAPHATTN_INPUT_STAGING")
 BASELINES = ("eager", "compile", "reduce-overhead")
 BLOCK_SIZE = 16
 STEP_DEFINITION = (
@@ -1447,12 +1450,13 @@ def run_meta(s: Settings) -> dict:
         "source_sha256": _source_digest(),
         # programmatic dependent launch in graphattn's kernels (kernels/pdl.py; GRAPHATTN_PDL)
         "pdl": use_pdl(torch.device(s.device)),
-        # graphattn's variables that change what runs (envs.py, kernels/pdl.py), where set
-        "env": {
-            k: os.environ[k] for k in ("GRAPHATTN_PDL", "GRAPHATTN_PREFETCH_MIB") if k in os.environ
-        },
+        # graphattn's variables that change what runs (envs.py, kernels/pdl.py,
+        # kernels/attention_plan.py), where set
+        "env": {k: os.environ[k] for k in RUN_VARIABLES if k in os.environ},
         # what the opt-in prefetch_next_weight pass asks for, set or not (envs.py)
         "prefetch_mib": prefetch_mib(),
+        # where split-KV results merge: in the attention launch or a reduction kernel
+        "split_kv_merge": describe_merge(),
         "python": platform.python_version(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "model": dataclasses.asdict(cfg),

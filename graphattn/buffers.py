@@ -2,7 +2,8 @@
 
 Every per-step input lives in one of three flat buffers, each with a pinned host copy, so a
 step reaches the device with three asynchronous copies whatever the batch (a FULL step's
-graph issues them itself: ``ModelRunner.full_graph_prologue``). The model's two
+graph issues them itself: ``ModelRunner.full_graph_prologue``; with
+``GRAPHATTN_INPUT_STAGING=kernel`` as one kernel, ``stage_to_device``). The model's two
 inputs (``input_ids``, ``positions``) each start a buffer: the traced graph sees tensors
 with storage offset 0, so the offset never becomes a symbolic size.
 """
@@ -92,6 +93,7 @@ class InputBuffers:
         self.block_tables = {k: v32[f"block_table[{k}]"] for k in ratios}
         self.is_prefilling = torch.zeros(max_num_seqs, dtype=torch.bool)
         self.is_prefilling_np = self.is_prefilling.numpy()
+        self._staging: dict[tuple[int, int], object] = {}  # (tokens, requests) -> StagingPlan
 
     def copy_to_device(self, num_tokens: int, num_reqs: int) -> None:
         """Three asynchronous copies: the int64 inputs of ``num_tokens`` tokens, their
@@ -102,12 +104,45 @@ class InputBuffers:
         last = self.block_tables[max(self.block_tables)]
         self._i32.copy_prefix(last.end - last.np.size + num_reqs * last.np.shape[1])
 
+    def stage_to_device(self, num_tokens: int, num_reqs: int) -> None:
+        """``copy_to_device``'s work as one kernel that reads the pinned buffers itself
+        (``kernels/stage_inputs.py``; CUDA): each input's first ``num_tokens`` tokens or
+        ``num_reqs`` requests."""
+        plan = self._staging.get((num_tokens, num_reqs))
+        if plan is None:
+            plan = self._staging[(num_tokens, num_reqs)] = self._staging_plan(num_tokens, num_reqs)
+        _stage_inputs().stage(plan)
+
+    def _staging_plan(self, num_tokens: int, num_reqs: int):
+        stage_inputs = _stage_inputs()
+        n, r = num_tokens, num_reqs
+        views = [self.input_ids, self.slot_mapping, self.output_index]
+        segments = [(v.cpu[:n], v.gpu[:n]) for v in views]
+        segments.append((self.positions.cpu[:n], self.positions.gpu[:n]))
+        tables = [self.block_tables[k] for k in sorted(self.block_tables)]
+        if len(segments) + 2 + len(tables) <= stage_inputs.MAX_SEGMENTS:
+            segments.append((self.query_start_loc.cpu[: r + 1], self.query_start_loc.gpu[: r + 1]))
+            segments.append((self.seq_lens.cpu[:r], self.seq_lens.gpu[:r]))
+            segments += [(t.cpu[:r].reshape(-1), t.gpu[:r].reshape(-1)) for t in tables]
+        else:  # the int32 prefix copy_to_device moves
+            last = tables[-1]
+            end = last.end - last.np.size + r * last.np.shape[1]
+            segments.append((self._i32.host[:end], self._i32.device[:end]))
+        return stage_inputs.StagingPlan(segments)
+
     def addresses(self) -> dict[str, int]:
         """Device addresses of every buffer (graphs read them; they must never move)."""
         return {
             name: flat.device.data_ptr()
             for name, flat in (("int64", self._i64), ("positions", self._pos), ("int32", self._i32))
         }
+
+
+def _stage_inputs():
+    """The staging kernel's module, imported on first use (it imports Triton)."""
+    from graphattn.kernels import stage_inputs
+
+    return stage_inputs
 
 
 def _numel(shape: tuple[int, ...]) -> int:

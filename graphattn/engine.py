@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from graphattn import envs
 from graphattn._logging import logger
 from graphattn.attention.forward_context import BoundLayer, set_forward_context
 from graphattn.attention.groups import AttentionGroup, build_attention_groups
@@ -22,7 +23,7 @@ from graphattn.capture.mode import CUDAGraphMode
 from graphattn.capture.resolve import FallbackRecord, resolve_for_engine
 from graphattn.config import CompileConfig, parse_dtype
 from graphattn.errors import ConfigError, CUDAGraphModeError, FallbackWarning, InvalidInputError
-from graphattn.kernels import pdl
+from graphattn.kernels import attention_plan, pdl
 from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
 from graphattn.runner import ModelRunner
@@ -45,6 +46,8 @@ class CompiledModel:
         self.model = model
         self.config = config
         self.device, self.dtype = _device_and_dtype(model, config)
+        self.kernel_settings = _kernel_settings(self.device)  # a bad variable fails here
+        self.input_staging = envs.input_staging()
         self.kv_cache_dtype = (
             self.dtype
             if config.kv_cache_dtype == "auto"
@@ -80,6 +83,7 @@ class CompiledModel:
         self.runner.copies_in_full_graphs = (
             self.graphs.mode.has_full_cudagraphs() and self.runner.can_copy_in_graphs
         )
+        self.runner.input_staging = self.input_staging
         prologue = self.runner.full_graph_prologue if self.runner.copies_in_full_graphs else None
         self.runner.forward = self.graphs.wrap_model(forward, prologue)
         weights = dict(self.model.named_parameters())
@@ -89,6 +93,12 @@ class CompiledModel:
             self.capture_info["input_copies"] = (
                 "inside full graphs" if self.runner.copies_in_full_graphs else "before each step"
             )
+            if self.runner.copies_in_full_graphs:
+                self.capture_info["input_staging"] = (
+                    "one kernel reading the pinned buffers (GRAPHATTN_INPUT_STAGING=kernel)"
+                    if self.input_staging == "kernel"
+                    else "three memcpy nodes"
+                )
         self.runner.planner = self.graphs.dispatcher.dispatch
         self.report = self._make_report(time.perf_counter() - start)
         logger.info("graphattn engine ready:\n%s", self.report)
@@ -313,12 +323,22 @@ class CompiledModel:
             kv_cache=kv,
             compile=dataclasses.asdict(self.compiled.info) if self.compiled else {},
             capture=self.capture_info,
-            kernels={"pdl": pdl.describe(self.device)},
+            kernels=dict(self.kernel_settings),
             startup_seconds=seconds,
         )
 
 
 _INFERENCE_MODE_GUARD = getattr(torch._C, "_InferenceMode", None)
+
+
+def _kernel_settings(device: torch.device) -> dict[str, str]:
+    """How graphattn's kernels launch on ``device``, as the environment sets it: PDL
+    (``GRAPHATTN_PDL``) and where split-KV results merge (``GRAPHATTN_FUSED_SPLIT_MERGE``)."""
+    try:
+        merge = attention_plan.describe_merge()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return {"pdl": pdl.describe(device), "split_kv_merge": merge}
 
 
 def _inference_mode() -> Any:

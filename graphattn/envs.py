@@ -1,6 +1,8 @@
-"""Environment variables graphattn reads, all in one place but one: ``GRAPHATTN_PDL``
-(``0`` launches the Triton kernels without programmatic dependent launch) is read by
-``graphattn/kernels/pdl.py``, since the kernels import only torch and triton."""
+"""Environment variables graphattn reads, all in one place but two the kernels read
+themselves, since they import only torch and triton: ``GRAPHATTN_PDL`` (``0`` launches the
+Triton kernels without programmatic dependent launch; ``graphattn/kernels/pdl.py``) and
+``GRAPHATTN_FUSED_SPLIT_MERGE`` (``1`` merges split-KV results inside the attention launch;
+``graphattn/kernels/attention_plan.py``)."""
 
 from __future__ import annotations
 
@@ -39,3 +41,16 @@ def prefetch_mib() -> int:
     if value < 0:
         raise ConfigError(f"GRAPHATTN_PREFETCH_MIB must be an int >= 0 (MiB), got {raw!r}")
     return value
+
+
+INPUT_STAGINGS = ("copies", "kernel")
+
+
+def input_staging() -> str:
+    """``GRAPHATTN_INPUT_STAGING``: how a FULL graph brings the step's inputs to the device:
+    ``copies`` (the default: three memcpy nodes) or ``kernel`` (one kernel that reads the
+    pinned buffers, ``kernels/stage_inputs.py``; opt-in, not yet measured)."""
+    raw = os.environ.get("GRAPHATTN_INPUT_STAGING", "copies") or "copies"
+    if raw not in INPUT_STAGINGS:
+        raise ConfigError(f"GRAPHATTN_INPUT_STAGING must be one of {INPUT_STAGINGS}, got {raw!r}")
+    return raw

@@ -94,8 +94,10 @@ class ModelRunner:
         # Each step's host copies must have left the pinned staging buffers before the
         # next step overwrites them. External: full graphs record it (see full_graph_prologue).
         self._copies_done = torch.cuda.Event(external=True) if device.type == "cuda" else None
-        # Set by the engine when its full graphs copy the inputs themselves.
+        # Set by the engine when its full graphs copy the inputs themselves, and how
+        # (envs.input_staging: "copies" or "kernel").
         self.copies_in_full_graphs = False
+        self.input_staging = "copies"
         self._streams: dict[int, torch.cuda.Stream] = {}  # raw stream -> Stream, for record
         self._device_index = (
             (device.index if device.index is not None else torch.cuda.current_device())
@@ -305,11 +307,15 @@ class ModelRunner:
 
     def full_graph_prologue(self, key: BatchDescriptor) -> None:
         """Captured at the head of each full graph: the input copies of a step of ``key``'s
-        padded size, then the copies-done event. A replay then moves the pinned buffers as it
+        padded size (three memcpy nodes, or one staging kernel: ``input_staging``), then the
+        copies-done event. A replay then moves the pinned buffers as it
         runs, so a FULL step makes no copy call; the pinned buffers stay untouched until the
         event (the next ``execute`` waits for it).
         """
-        self.buffers.copy_to_device(key.num_tokens, key.num_reqs)
+        if self.input_staging == "kernel":
+            self.buffers.stage_to_device(key.num_tokens, key.num_reqs)
+        else:
+            self.buffers.copy_to_device(key.num_tokens, key.num_reqs)
         self._copies_done.record(self._current_stream())
 
     def capture_graphs(

@@ -57,6 +57,8 @@ def test_every_part_writes_its_entry(smoke_run):
         assert "function calls" in profile and "engine.py" in profile
     assert data["floor"]["result"]["copy_bytes_per_s"] > 0
     assert data["meta"]["smoke"] and data["errors"] == []
+    assert "reduction kernel" in data["meta"]["split_kv_merge"]  # the default, variable unset
+    assert "GRAPHATTN_FUSED_SPLIT_MERGE" not in data["meta"]["env"]
     assert out.with_suffix(".png").stat().st_size > 0
 
 

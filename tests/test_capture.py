@@ -10,6 +10,7 @@ every replay check that its inputs sit at the captured addresses.
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -60,9 +61,10 @@ def cache_dir(tmp_path_factory):
 _ENGINES: dict = {}
 
 
-def _engines(model, cache_dir, backend, mode):
-    """(reference, graph engine) for backend x mode, built once per module."""
-    key = (backend, mode)
+def _engines(model, cache_dir, backend, mode, staging="copies"):
+    """(reference, graph engine) for backend x mode, built once per module (``staging``:
+    GRAPHATTN_INPUT_STAGING while the graph engine is built)."""
+    key = (backend, mode, staging)
     if key not in _ENGINES:
         ref = ga.compile(
             copy.deepcopy(model),
@@ -71,16 +73,24 @@ def _engines(model, cache_dir, backend, mode):
             attention_backend=backend,
             **LIMITS,
         )
-        eng = ga.compile(
-            copy.deepcopy(model),
-            cudagraph_mode=mode,
-            compile_backend="inductor",
-            attention_backend=backend,
-            cudagraph_capture_sizes=SIZES,
-            debug=True,
-            cache_dir=cache_dir,
-            **LIMITS,
-        )
+        saved = os.environ.get("GRAPHATTN_INPUT_STAGING")
+        os.environ["GRAPHATTN_INPUT_STAGING"] = staging
+        try:
+            eng = ga.compile(
+                copy.deepcopy(model),
+                cudagraph_mode=mode,
+                compile_backend="inductor",
+                attention_backend=backend,
+                cudagraph_capture_sizes=SIZES,
+                debug=True,
+                cache_dir=cache_dir,
+                **LIMITS,
+            )
+        finally:
+            if saved is None:
+                del os.environ["GRAPHATTN_INPUT_STAGING"]
+            else:
+                os.environ["GRAPHATTN_INPUT_STAGING"] = saved
         _ENGINES[key] = (ref, eng)
     return _ENGINES[key]
 
@@ -140,12 +150,24 @@ def _written_slots(seqs):
 @pytest.mark.parametrize("backend", ["TRITON", "TORCH_REF"])
 @pytest.mark.parametrize("mode", list(M), ids=str)
 def test_graph_engine_matches_eager_engine(model, cache_dir, backend, mode):
+    _check_graph_engine(model, cache_dir, backend, mode)
+
+
+@pytest.mark.parametrize("mode", [M.FULL, M.FULL_AND_PIECEWISE], ids=str)
+def test_staging_kernel_engine_matches_eager_engine(model, cache_dir, mode):
+    """GRAPHATTN_INPUT_STAGING=kernel: the full graphs start with the staging kernel instead
+    of three copies; decodes, mixed batches (reordered: the output index too) and padding as
+    above."""
+    _check_graph_engine(model, cache_dir, "TRITON", mode, staging="kernel")
+
+
+def _check_graph_engine(model, cache_dir, backend, mode, staging="copies"):
     expected_mode = RESOLVED[backend][mode]
     if expected_mode is None:
         with pytest.raises(ga.CUDAGraphModeError, match="TORCH_REF supports NEVER"):
             ga.compile(model, cudagraph_mode=mode, attention_backend=backend, **LIMITS)
         return
-    ref, eng = _engines(model, cache_dir, backend, mode)
+    ref, eng = _engines(model, cache_dir, backend, mode, staging)
     assert eng.resolved_mode == expected_mode
     assert bool(eng.report.fallbacks) == (expected_mode != mode)
 
@@ -282,10 +304,14 @@ def test_full_steps_copy_their_inputs_inside_the_graph(model, cache_dir, monkeyp
         assert rel_err(out, out_ref) < 2e-2, shapes
 
 
-def test_full_steps_queued_behind_a_busy_gpu_read_their_own_inputs(model, cache_dir):
-    """Steps queued while the GPU is busy: each graph's copies read the pinned buffers when
-    the GPU reaches them, so the next step must not refill them before then."""
-    ref, eng = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE)
+@pytest.mark.parametrize("staging", ["copies", "kernel"])
+def test_full_steps_queued_behind_a_busy_gpu_read_their_own_inputs(model, cache_dir, staging):
+    """Steps queued while the GPU is busy: each graph's copies (or staging kernel) read the
+    pinned buffers when the GPU reaches them, so the next step must not refill them before
+    then."""
+    ref, eng = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE, staging)
+    want = "one kernel" if staging == "kernel" else "three memcpy nodes"
+    assert want in eng.report.capture["input_staging"]
     every = _decode_seqs(32, 300)  # disjoint blocks: all prefills happen before any decode
     groups = [every[i : i + 8] for i in range(0, 32, 8)]
     for e in (ref, eng):

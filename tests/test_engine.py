@@ -141,7 +141,10 @@ def test_report_names_backend_per_layer_and_prints():
     assert engine.report.groups[0].cudagraph_support == "NEVER"
     d = engine.report.to_dict()
     assert d["fallbacks"] == [] and d["kv_cache"]["num_blocks"] == 16
-    assert d["kernels"] == {"pdl": "off: cpu is not a CUDA device"}  # and why
+    assert d["kernels"] == {
+        "pdl": "off: cpu is not a CUDA device",  # and why
+        "split_kv_merge": "by a reduction kernel after the attention launch",
+    }
     assert "kernels: pdl=off: cpu is not a CUDA device" in text
 
 

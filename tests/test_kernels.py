@@ -13,6 +13,7 @@ the output once; everything else accumulates in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -29,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphattn.kernels import attention_plan as ap
+from graphattn.kernels import split_kv
 from graphattn.kernels.attention_plan import TileConfig, choose_num_splits, plan_attention
 from graphattn.kernels.kv_cache_write import write_kv_cache
 from graphattn.kernels.reference import paged_attention_ref, write_kv_cache_ref
@@ -124,14 +126,18 @@ def make_case(
     )
 
 
-def run_kernel(case: PagedCase, plan, *, scale, window=None, soft_cap=None) -> torch.Tensor:
+def run_kernel(
+    case: PagedCase, plan, *, scale, window=None, soft_cap=None, fused_merge=False, scratch=None
+) -> torch.Tensor:
     """The kernel's output for ``case`` under ``plan``, poisoned with NaN beforehand, as is
-    the split scratch (the reduction reads every split's row of each real token: a row the
-    attention kernel did not write would turn its output NaN)."""
+    the split scratch (the merge reads every split's row of each real token: a row the
+    attention kernel did not write would turn its output NaN). ``fused_merge``: the splits
+    merged inside the launch; ``scratch``: reuse one (its tickets must be zero)."""
     output = torch.full_like(case.query, float("nan"))
-    scratch = SplitScratch.allocate(
-        case.query.shape[0], case.key_cache.shape[2], case.query.shape[2], case.query.device
-    )
+    if scratch is None:
+        scratch = SplitScratch.allocate(
+            case.query.shape[0], case.key_cache.shape[2], case.query.shape[2], case.query.device
+        )
     scratch.out.fill_(float("nan"))
     scratch.lse.fill_(float("nan"))
     return unified_attention(
@@ -147,6 +153,7 @@ def run_kernel(case: PagedCase, plan, *, scale, window=None, soft_cap=None) -> t
         sliding_window=window,
         soft_cap=soft_cap,
         scratch=scratch,
+        fused_merge=fused_merge,
     )
 
 
@@ -235,9 +242,10 @@ def tile_configs(draw, group: int):
     num_splits=st.sampled_from([1, 2, 3]),
     pad=st.tuples(st.integers(0, 3), st.integers(0, 3)),
     seed=st.integers(0, 2**16),
+    fused_merge=st.booleans(),
 )
 def test_unified_attention_matches_references(
-    data, block_size, gqa, num_kv_heads, head_size, dtype, num_splits, pad, seed
+    data, block_size, gqa, num_kv_heads, head_size, dtype, num_splits, pad, seed, fused_merge
 ):
     shapes = data.draw(request_shapes(block_size))
     tiles = data.draw(tile_configs(gqa))
@@ -253,7 +261,7 @@ def test_unified_attention_matches_references(
         pad_reqs=pad[1],
     )
     plan = case.plan(num_splits, tiles)
-    out = run_kernel(case, plan, scale=head_size**-0.5)
+    out = run_kernel(case, plan, scale=head_size**-0.5, fused_merge=fused_merge)
     assert_matches_references(case, out, scale=head_size**-0.5)
 
 
@@ -292,6 +300,67 @@ def test_awkward_batch(num_splits, head_size, block_size):
     )
     out = run_kernel(case, case.plan(num_splits), scale=0.1)
     assert_matches_references(case, out, scale=0.1)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_fused_split_merge_matches_the_reduction_kernel(kind, num_splits, monkeypatch):
+    """GRAPHATTN_FUSED_SPLIT_MERGE's path: the tile's last split program merges. The same rows
+    as the reduction kernel's (which must not run), padding rows included, every ticket back
+    at 0, and a second launch on the same scratch the same again."""
+    if kind == "decode":
+        shapes, pad = [(0, 1), (15, 1), (16, 1), (40, 1), (7, 1)], (2, 2)
+    else:
+        shapes, pad = [(0, 1), (0, 37), (31, 1), (16, 16), (5, 1)], (3, 2)
+    case = make_case(
+        shapes, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, seed=11,
+        pad_tokens=pad[0], pad_reqs=pad[1],
+    )  # fmt: skip
+    plan = case.plan(num_splits)
+    ref = run_kernel(case, plan, scale=0.125)
+    scratch = SplitScratch.allocate(case.query.shape[0], 2, 64, case.query.device)
+    calls = []
+    monkeypatch.setattr(split_kv, "reduce_splits", lambda *a, **k: calls.append(a))
+    for _ in range(2):
+        out = run_kernel(case, plan, scale=0.125, fused_merge=True, scratch=scratch)
+        assert calls == []  # no reduction launched
+        assert torch.count_nonzero(scratch.tickets) == 0
+        n = case.num_tokens
+        assert not out[:n].isnan().any()
+        assert rel_err(out[:n], ref[:n]) < 1e-6
+        # padding rows as the reduction leaves them: zero for padding requests (no keys),
+        # untouched (NaN) past them
+        assert torch.equal(out[n:].nan_to_num(7.0), ref[n:].nan_to_num(7.0))
+        assert_matches_references(case, out, scale=0.125)
+
+
+def test_fused_split_merge_needs_tickets():
+    case = make_case([(40, 1)], num_heads=2, num_kv_heads=2, head_size=64, block_size=16)
+    plan = case.plan(4)
+    scratch = SplitScratch.allocate(1, 2, 64, case.query.device)
+    small = dataclasses.replace(scratch, tickets=scratch.tickets[:1])
+    with pytest.raises(ValueError, match="a ticket per"):
+        run_kernel(case, plan, scale=0.1, fused_merge=True, scratch=small)
+    wrong = dataclasses.replace(scratch, tickets=scratch.tickets.float())
+    with pytest.raises(ValueError, match="contiguous int32"):
+        run_kernel(case, plan, scale=0.1, fused_merge=True, scratch=wrong)
+    run_kernel(case, plan, scale=0.1, fused_merge=False, scratch=small)  # unused without it
+
+
+def test_fused_split_merge_env(monkeypatch):
+    monkeypatch.setenv(split_kv.MERGE_ENV, "2")
+    split_kv.fused_merge.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="must be 0 or 1"):
+            split_kv.fused_merge()
+        monkeypatch.setenv(split_kv.MERGE_ENV, "1")
+        split_kv.fused_merge.cache_clear()
+        assert split_kv.fused_merge() and "last split program" in split_kv.describe_merge()
+        monkeypatch.delenv(split_kv.MERGE_ENV)
+        split_kv.fused_merge.cache_clear()
+        assert not split_kv.fused_merge() and "reduction kernel" in split_kv.describe_merge()
+    finally:
+        split_kv.fused_merge.cache_clear()
 
 
 def test_padding_requests_without_tokens():
@@ -481,9 +550,10 @@ def new_kv_inputs(case: PagedCase, seed: int):
     return kv[:, :hkv], kv[:, hkv:], slots.to(case.query.device)
 
 
-def decode_with_new_kv(case: PagedCase, plan, *, scale, seed, window=None):
+def decode_with_new_kv(case: PagedCase, plan, *, scale, seed, window=None, fused_merge=False):
     """Run ``case`` (decodes) twice from the same cache: write_kv_cache then attention, and
-    attention with ``new_kv`` (the write inside the launch). Returns both (output, caches).
+    attention with ``new_kv`` (the write inside the launch; ``fused_merge``: and the splits
+    merged inside it). Returns both (output, caches).
     """
     key, value, slots = new_kv_inputs(case, seed)
     t_pad, hkv, d = case.query.shape[0], case.key_cache.shape[2], case.query.shape[2]
@@ -497,15 +567,17 @@ def decode_with_new_kv(case: PagedCase, plan, *, scale, seed, window=None):
         out = unified_attention(
             case.query, *caches, output, case.block_table, case.query_start_loc, case.seq_lens,
             plan, scale=scale, sliding_window=window, scratch=scratch,
-            new_kv=(key, value, slots) if fused else None,
+            new_kv=(key, value, slots) if fused else None, fused_merge=fused and fused_merge,
         )  # fmt: skip
         results.append((out, caches))
     return results
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("num_splits", "fused_merge"), [(1, False), (3, False), (8, False), (8, True)]
+)
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_launch_writes_the_new_keys_and_values(num_splits, window):
+def test_decode_launch_writes_the_new_keys_and_values(num_splits, fused_merge, window):
     """new_kv: the cache ends exactly as write_kv_cache leaves it, and attention reads the
     new token (every real row equals the two-launch result), padding included.
     """
@@ -515,7 +587,7 @@ def test_decode_launch_writes_the_new_keys_and_values(num_splits, window):
         pad_tokens=2, pad_reqs=2,
     )  # fmt: skip
     (ref, ref_caches), (out, caches) = decode_with_new_kv(
-        case, case.plan(num_splits), scale=0.125, seed=4, window=window
+        case, case.plan(num_splits), scale=0.125, seed=4, window=window, fused_merge=fused_merge
     )
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
     assert not torch.equal(ref_caches[0], case.key_cache)  # the write did change the cache
@@ -569,9 +641,9 @@ MIXED = [(0, 1), (4000, 1), (8191, 1), (0, 1500), (2000, 517), (1023, 1), (15, 1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 8])
+@pytest.mark.parametrize(("num_splits", "fused_merge"), [(1, False), (8, False), (8, True)])
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
-def test_gpu_realistic_bf16(kind, num_splits):
+def test_gpu_realistic_bf16(kind, num_splits, fused_merge):
     gen = torch.Generator().manual_seed(7)
     if kind == "mixed":
         shapes = MIXED
@@ -579,7 +651,7 @@ def test_gpu_realistic_bf16(kind, num_splits):
         shapes = [(int(c), 1) for c in torch.randint(1, 8192, (64,), generator=gen)]
     pad_tokens = 5 if kind == "mixed" else 3  # a padded decode batch keeps tokens == requests
     case = _gpu_case(shapes, seed=1, pad_tokens=pad_tokens, pad_reqs=3)
-    out = run_kernel(case, case.plan(num_splits), scale=128**-0.5)
+    out = run_kernel(case, case.plan(num_splits), scale=128**-0.5, fused_merge=fused_merge)
     _check_against_paged_reference(case, out, scale=128**-0.5)
 
 
@@ -606,9 +678,10 @@ def test_gpu_head_sizes_and_dtypes(dtype, head_size, block_size, attn, num_split
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 8])
-def test_gpu_graph_replay_serves_every_batch_of_its_size(num_splits):
-    """Capture one launch for a padded size, then replay it for other batches of that size."""
+@pytest.mark.parametrize(("num_splits", "fused_merge"), [(1, False), (8, False), (8, True)])
+def test_gpu_graph_replay_serves_every_batch_of_its_size(num_splits, fused_merge):
+    """Capture one launch for a padded size, then replay it for other batches of that size
+    (a fused merge's tickets are back at zero after every replay)."""
     pad_tokens, pad_reqs = 40, 4
     first = _gpu_case(
         [(100, 1), (0, 50), (3000, 1)], seed=3, pad_tokens=pad_tokens, pad_reqs=pad_reqs
@@ -621,6 +694,7 @@ def test_gpu_graph_replay_serves_every_batch_of_its_size(num_splits):
     launch = lambda: unified_attention(  # noqa: E731
         static.query, static.key_cache, static.value_cache, output, static.block_table,
         static.query_start_loc, static.seq_lens, plan, scale=0.09, scratch=scratch,
+        fused_merge=fused_merge,
     )  # fmt: skip
     launch()  # compile outside the graph
     torch.cuda.synchronize()
@@ -633,8 +707,10 @@ def test_gpu_graph_replay_serves_every_batch_of_its_size(num_splits):
         other = repad(other, first.query.shape[0], len(first.seq_lens))
         copy_into(static, other)
         output.fill_(float("nan"))
-        graph.replay()
+        for _ in range(3):  # replays after the first start from the tickets it left
+            graph.replay()
         _check_against_paged_reference(other, output, scale=0.09)
+        assert torch.count_nonzero(scratch.tickets) == 0
 
 
 @dataclass
@@ -729,15 +805,18 @@ def test_gpu_kv_cache_write_matches_reference():
 
 # -- CPU: the CUDA launches compile for Hopper --------------------------------------------
 
-# (dtype, head_size, query heads per KV head, tokens for 64 requests, splits, sliding, soft-cap)
+# (dtype, head_size, query heads per KV head, tokens for 64 requests, splits, sliding, soft-cap,
+# splits merged in the launch)
 HOPPER_LAUNCHES = [
-    (torch.bfloat16, 128, 4, 64, 1, False, False),  # decode
-    (torch.bfloat16, 128, 4, 64, 4, False, False),  # decode, split-KV
-    (torch.bfloat16, 128, 4, 4096, 1, False, False),  # prefill
-    (torch.bfloat16, 80, 8, 4096, 1, True, True),  # prefill, sliding window and soft-cap
-    (torch.float16, 256, 2, 4096, 1, False, False),
-    (torch.float16, 64, 1, 64, 2, False, False),
-    (torch.float32, 128, 4, 4096, 1, False, False),
+    (torch.bfloat16, 128, 4, 64, 1, False, False, False),  # decode
+    (torch.bfloat16, 128, 4, 64, 4, False, False, False),  # decode, split-KV
+    (torch.bfloat16, 128, 4, 64, 4, False, False, True),  # decode, split-KV merged in the launch
+    (torch.bfloat16, 64, 4, 64, 16, False, False, True),  # the same at the benchmark's shape
+    (torch.bfloat16, 128, 4, 4096, 1, False, False, False),  # prefill
+    (torch.bfloat16, 80, 8, 4096, 1, True, True, False),  # prefill, sliding window and soft-cap
+    (torch.float16, 256, 2, 4096, 1, False, False, False),
+    (torch.float16, 64, 1, 64, 2, False, False, False),
+    (torch.float32, 128, 4, 4096, 1, False, False, False),
 ]
 
 
@@ -755,14 +834,14 @@ def compile_for_hopper() -> list[dict]:
     from graphattn.kernels import unified_attention as ua
 
     results = []
-    for dtype, head_size, group, tokens, splits, sliding, soft_cap in HOPPER_LAUNCHES:
+    for dtype, head_size, group, tokens, splits, sliding, soft_cap, merge in HOPPER_LAUNCHES:
         plan = plan_attention(
             tokens, 64, num_heads=8 * group, num_kv_heads=8, head_size=head_size, dtype=dtype,
             device_type="cuda", num_splits=splits,
         )  # fmt: skip
         constants = ua.kernel_constants(
             plan, block_size=16, dtype=dtype, device_type="cuda", sliding=sliding,
-            soft_cap=soft_cap, pdl=True,  # as launched on Hopper (kernels/pdl.py)
+            soft_cap=soft_cap, pdl=True, merge=merge,  # as launched on Hopper (kernels/pdl.py)
         )  # fmt: skip
         constants["WRITE_KV"] = tokens == 64  # decodes write the new keys in the launch
         options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
@@ -770,7 +849,19 @@ def compile_for_hopper() -> list[dict]:
         src = ASTSource(kernel, _signature(kernel, dtype), constants, _aligned(kernel))
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         name = f"{dtype} D{head_size} G{group} T{tokens} S{splits} sw={sliding} cap={soft_cap}"
-        results.append(dict(case=name, shared=compiled.metadata.shared, spill=_spill(compiled)))
+        name += " merged" * merge
+        ptx = compiled.asm["ptx"]
+        results.append(
+            dict(
+                case=name,
+                shared=compiled.metadata.shared,
+                spill=_spill(compiled),
+                merge=merge,
+                # the arrival count and the merge's reads through L2 (split_kv.merge_if_last)
+                acq_rel_atomics=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
+                cg_loads=len(re.findall(r"ld\.global\.cg", ptx)),
+            )
+        )
     reduce = ASTSource(
         split_kv._reduce_kernel,
         _signature(split_kv._reduce_kernel, torch.bfloat16),
@@ -784,7 +875,7 @@ def compile_for_hopper() -> list[dict]:
 
 def _signature(kernel, dtype) -> dict[str, str]:
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    ints = ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr")
+    ints = ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr", "tickets_ptr")
     sig = {}
     for name in kernel.arg_names:
         if name.isupper():
@@ -843,3 +934,6 @@ def test_cuda_launches_compile_for_hopper():
     for r in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert r["shared"] <= 227 * 1024, r  # an H100/H200 block's shared-memory limit
         assert r["spill"] in (0, None), r
+        if "merge" in r:  # one acquire-release arrival a program, only where splits merge
+            assert r["acq_rel_atomics"] == (1 if r["merge"] else 0), r
+            assert (r["cg_loads"] > 0) == r["merge"], r

@@ -711,14 +711,17 @@ def test_pdl_chain_in_a_cuda_graph_matches_normal_launches(fresh_pdl):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_pdl_decode_attention_after_a_gemv_in_a_cuda_graph(fresh_pdl, batch):
+def test_pdl_decode_attention_after_a_gemv_in_a_cuda_graph(fresh_pdl, batch, fused_merge):
     """Two layers of qkv GEMV -> decode attention (the new key and value written inside the
     launch; split-KV) -> o GEMV, in one CUDA graph of PDL launches, Llama-3.2-1B's heads.
     The attention reads its metadata and slots (and prefetches its first key tile) before its wait, q and the
     new key and value, the GEMV's output just before it, after: every replay, from fresh
     inputs and with the GEMV and attention outputs set to NaN, must give the bits of the
-    same chain launched normally outside a graph, and so must the caches."""
+    same chain launched normally outside a graph, and so must the caches. ``fused_merge``:
+    the splits merged by attention's last split program instead of the reduction kernel
+    (its merge order is fixed, so the bits must match too)."""
     from graphattn.kernels.attention_plan import choose_num_splits, plan_attention
     from graphattn.kernels.split_kv import SplitScratch
     from graphattn.kernels.unified_attention import unified_attention
@@ -767,7 +770,7 @@ def test_pdl_decode_attention_after_a_gemv_in_a_cuda_graph(fresh_pdl, batch):
             out = torch.empty_like(q)
             unified_attention(
                 q, k_cache, v_cache, out, table, starts, seq_lens, plan, scale=d**-0.5,
-                scratch=scratch, new_kv=(k, v, slots),
+                scratch=scratch, new_kv=(k, v, slots), fused_merge=fused_merge,
             )  # fmt: skip
             outs.append(out)
             x = gemv(out.view(batch, hidden), w_o)

@@ -109,6 +109,46 @@ def test_padded_batches_through_the_runner(num_sms):
     assert (last.num_splits > 1) == (num_sms > 1)
 
 
+@pytest.fixture
+def fused_merge_env(monkeypatch):
+    """GRAPHATTN_FUSED_SPLIT_MERGE=1 for one test (read once per process: cleared around)."""
+    monkeypatch.setenv(split_kv.MERGE_ENV, "1")
+    split_kv.fused_merge.cache_clear()
+    yield
+    monkeypatch.delenv(split_kv.MERGE_ENV)
+    split_kv.fused_merge.cache_clear()
+
+
+def test_fused_split_merge_through_the_engine(fused_merge_env, monkeypatch):
+    """With the merge in the attention launch the engine's steps match the model, no
+    reduction kernel runs, the report says so, and the tickets end at zero."""
+    model = TableAttentionModel(64, 8, 2, 64, seed=4)
+    engine = _engine(model)
+    (group,) = engine.attn_groups
+    group.builder.num_sms = 16  # split-KV on for these small batches
+    built = []
+    build = group.builder.build
+    group.builder.build = lambda p, cam: built.append(build(p, cam)) or built[-1]
+    reduced = []
+    monkeypatch.setattr(split_kv, "reduce_splits", lambda *a, **k: reduced.append(a))
+    seqs = make_seqs(np.random.default_rng(5), [(20, 1), (0, 5), (33, 1), (7, 1)], 64, 16, 96)
+    out = run_with_prefixes(engine, seqs)
+    assert rel_err(out, _expected(model, seqs)) < 1e-5
+    assert reduced == [] and any(md.num_splits > 1 for md in built)
+    assert torch.count_nonzero(group.builder.scratch.tickets) == 0
+    assert "last split program" in engine.report.kernels["split_kv_merge"]
+
+
+def test_a_bad_merge_variable_fails_at_start_up(monkeypatch):
+    monkeypatch.setenv(split_kv.MERGE_ENV, "yes")
+    split_kv.fused_merge.cache_clear()
+    try:
+        with pytest.raises(ga.ConfigError, match="GRAPHATTN_FUSED_SPLIT_MERGE must be 0 or 1"):
+            _engine(TableAttentionModel(16, 4, 2, 64))
+    finally:
+        split_kv.fused_merge.cache_clear()
+
+
 def test_profile_run_without_metadata_gives_zeros():
     from graphattn.attention import set_forward_context
 

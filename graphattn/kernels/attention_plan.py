@@ -13,6 +13,7 @@ Request ``i`` owns query tiles from ``query_start_loc[i] // block_q + i`` on (a 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,27 @@ MAX_SPLITS = 32
 MAX_GROUP = 64  # query heads per KV head one program handles
 # Programs (request x KV head x split) to aim for: two waves of one program per SM.
 WAVES = 2
+
+
+MERGE_ENV = "GRAPHATTN_FUSED_SPLIT_MERGE"  # "1": merge inside the attention launch
+
+
+@functools.lru_cache(maxsize=1)
+def fused_merge() -> bool:
+    """Whether split-KV launches merge their splits inside the attention kernel
+    (``GRAPHATTN_FUSED_SPLIT_MERGE=1``) rather than in ``_reduce_kernel``; read once per
+    process (``fused_merge.cache_clear()`` reads it again)."""
+    raw = os.environ.get(MERGE_ENV, "0")
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"{MERGE_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def describe_merge() -> str:
+    """How split-KV results are merged, for the engine's report."""
+    if fused_merge():
+        return f"by the last split program of each tile, in the attention launch ({MERGE_ENV}=1)"
+    return "by a reduction kernel after the attention launch"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,16 @@ per query row, its output normalised over its own keys and that output's log-sum
 Scratch layout, flat fp32: ``out`` as ``[num_tokens, Hq, S, D]`` and ``lse`` as
 ``[num_tokens, Hq, S]`` for the launch's token count, head count and split count; it is
 allocated once at the largest size and never per step.
+
+Two ways to merge (``GRAPHATTN_FUSED_SPLIT_MERGE``, ``attention_plan.fused_merge``, read
+once per process; ``0``, the default: the reduction kernel):
+
+- ``_reduce_kernel``, a second launch, one program per (token, query head);
+- ``merge_if_last`` (``1``), inside the attention launch: each split program of a (query
+  tile, KV head) counts its arrival on that pair's ticket once its partial rows are stored,
+  and the last to arrive merges the tile's rows and sets the ticket back to 0 for the next
+  launch. One launch and one kernel boundary less per layer; the tickets live in the
+  scratch (``tickets``, zero at allocation and after every launch).
 """
 
 from __future__ import annotations
@@ -18,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from graphattn.kernels.attention_plan import SPLIT_SLOTS, AttentionPlan
+from graphattn.kernels.attention_plan import (  # noqa: F401 (re-exported)
+    MERGE_ENV,
+    SPLIT_SLOTS,
+    AttentionPlan,
+    describe_merge,
+    fused_merge,
+)
 from graphattn.kernels.pdl import launch_options
 
 
@@ -29,6 +45,10 @@ class SplitScratch:
     out: torch.Tensor  # [max_tokens * Hkv * SPLIT_SLOTS * D] fp32
     lse: torch.Tensor  # [max_tokens * Hkv * SPLIT_SLOTS] fp32
     max_tokens: int
+    # [2 * max_tokens * Hkv] int32, zero between launches: one arrival count per (query
+    # tile, KV head) program group of a fused-merge launch (a grid has at most
+    # num_tokens // block_q + num_reqs <= 2 * num_tokens tiles)
+    tickets: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -39,11 +59,18 @@ class SplitScratch:
             torch.empty(rows * head_size, dtype=torch.float32, device=device),
             torch.empty(rows, dtype=torch.float32, device=device),
             max_tokens,
+            torch.zeros(2 * max_tokens * num_kv_heads, dtype=torch.int32, device=device),
         )
 
 
-def check_scratch(scratch: SplitScratch | None, plan: AttentionPlan, device: torch.device) -> None:
-    """The scratch must hold this launch's partial results, on the launch's device."""
+def check_scratch(
+    scratch: SplitScratch | None,
+    plan: AttentionPlan,
+    device: torch.device,
+    fused: bool = False,
+) -> None:
+    """The scratch must hold this launch's partial results (``fused``: and a ticket per
+    (query tile, KV head)), on the launch's device."""
     if scratch is None:
         raise ValueError(f"split-KV with {plan.num_splits} splits needs a SplitScratch, got None")
     rows = plan.num_tokens * plan.num_kv_heads * plan.group * plan.num_splits
@@ -56,6 +83,19 @@ def check_scratch(scratch: SplitScratch | None, plan: AttentionPlan, device: tor
     for name, t in (("scratch.out", scratch.out), ("scratch.lse", scratch.lse)):
         if t.dtype != torch.float32 or t.device != device:
             raise ValueError(f"{name} must be float32 on {device}, got {t.dtype} on {t.device}")
+    if fused:
+        tiles = plan.grid[0] * plan.grid[1]
+        t = scratch.tickets
+        if t is None or t.numel() < tiles:
+            have = "none" if t is None else t.numel()
+            raise ValueError(
+                f"a fused split merge needs a ticket per (query tile, KV head): {tiles}; the "
+                f"scratch has {have}"
+            )
+        if t.dtype != torch.int32 or t.device != device or not t.is_contiguous():
+            raise ValueError(
+                f"scratch.tickets must be contiguous int32 on {device}, got {t.dtype} on {t.device}"
+            )
 
 
 def reduce_splits(
@@ -105,6 +145,69 @@ def store_partial(
     row = (token.to(tl.int64) * num_heads + head) * num_splits + split  # [M]
     tl.store(part_lse_ptr + row, lse, mask=row_ok)
     tl.store(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], out, mask=store_mask)
+
+
+@triton.jit
+def merge_if_last(
+    part_out_ptr,
+    part_lse_ptr,
+    tickets_ptr,
+    out_ptr,
+    token,  # [M] token index in the batch
+    head,  # [M] query head
+    row_ok,  # [M]
+    store_mask,  # [M, D]
+    dims,  # [D]
+    stride_ot,
+    stride_oh,
+    num_heads,
+    HEAD_SIZE: tl.constexpr,
+):
+    """After ``store_partial``, in every split program of one (query tile, KV head): the last
+    to arrive merges the tile's rows of every split into ``out`` (as ``_reduce_kernel`` does)
+    and sets the ticket back to 0, ready for the next launch.
+
+    The arrival is counted once all of the program's threads have stored their rows (the
+    barrier) with an acquire-release atomic at GPU scope, so the last program's reads, made
+    after its own arrival and through L2 (``.cg``), see every split's rows.
+    """
+    tl.debug_barrier()
+    num_splits = tl.num_programs(2)
+    ticket = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        first = (token.to(tl.int64) * num_heads + head) * num_splits  # [M] split 0's row
+        top = tl.full(row_ok.shape, float("-inf"), tl.float32)
+        for split in range(0, num_splits):
+            lse = tl.load(
+                part_lse_ptr + first + split, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+            )
+            top = tl.maximum(top, lse)
+        top = tl.where(top > float("-inf"), top, 0.0)  # no key at all: every weight is 0
+        acc = tl.zeros(store_mask.shape, tl.float32)
+        total = tl.zeros(row_ok.shape, tl.float32)
+        for split in range(0, num_splits):
+            row = first + split
+            lse = tl.load(
+                part_lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+            )
+            weight = tl.exp2(lse - top)  # 1 for the largest split, 0 for empty ones
+            part = tl.load(
+                part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :],
+                mask=store_mask,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            acc += part * weight[:, None]
+            total += weight
+        out = acc / tl.maximum(total, 1.0)[:, None]  # >= 1 when any split has keys; else 0
+        dst = token.to(tl.int64) * stride_ot + head * stride_oh  # [M]
+        tl.store(
+            out_ptr + dst[:, None] + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
+        tl.store(ticket, 0)  # every split has arrived: nothing else touches it this launch
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])

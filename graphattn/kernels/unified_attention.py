@@ -12,7 +12,9 @@ block table, with an online softmax in fp32 (base 2). Key tiles that no row of t
 see are skipped; tiles every row sees in full run without masks.
 
 With ``num_splits`` > 1 the keys a tile sees are cut into that many segments (third grid
-axis); each program writes its normalised partial output and log-sum-exp to the scratch.
+axis); each program writes its normalised partial output and log-sum-exp to the scratch,
+which the reduction kernel merges after the launch or, with a fused merge, the tile's last
+split program at its end (``split_kv``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from graphattn.kernels.checks import (
 from graphattn.kernels.kv_cache_write import check_write_args
 from graphattn.kernels.pdl import launch_options
 from graphattn.kernels.prefetch import LINE_BYTES, prefetch_l2
-from graphattn.kernels.split_kv import store_partial
+from graphattn.kernels.split_kv import merge_if_last, store_partial
 
 LOG2E = math.log2(math.e)
 
@@ -59,11 +61,14 @@ def unified_attention(
     soft_cap: float | None = None,
     scratch: split_kv.SplitScratch | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached sequence; see the module.
 
     The first ``plan.num_tokens`` rows of ``query`` and ``plan.num_reqs`` requests are read.
-    Split-KV (``plan.num_splits`` > 1) needs ``scratch``.
+    Split-KV (``plan.num_splits`` > 1) needs ``scratch``; ``fused_merge`` merges the
+    splits inside this launch instead of a reduction kernel after it (None:
+    ``split_kv.fused_merge()``, from ``GRAPHATTN_FUSED_SPLIT_MERGE``).
 
     ``new_kv = (key [T, Hkv, D], value, slot_mapping [T])`` writes the step's keys and values
     into the cache inside this launch (no separate ``write_kv_cache``). Only for batches in
@@ -82,11 +87,14 @@ def unified_attention(
     else:
         key = value = slot_mapping = query  # unused by the kernel
         stride_kt = stride_kh = stride_vt = stride_vh = 0
+    merge = plan.num_splits > 1 and (split_kv.fused_merge() if fused_merge is None else fused_merge)
     if plan.num_splits > 1:
-        split_kv.check_scratch(scratch, plan, query.device)
+        split_kv.check_scratch(scratch, plan, query.device, fused=merge)
         partial_out, partial_lse = scratch.out, scratch.lse
+        tickets = scratch.tickets if merge else seq_lens  # unused without the merge
     else:
         partial_out = partial_lse = output  # unused by the kernel
+        tickets = seq_lens
     score_scale, cap_scale = _score_scales(scale, soft_cap)
     pdl = launch_options(query.device)
     constants = kernel_constants(
@@ -97,6 +105,7 @@ def unified_attention(
         sliding=sliding_window is not None,
         soft_cap=soft_cap is not None,
         pdl=bool(pdl),
+        merge=merge,
     )
     _attention_kernel[plan.grid](
         query,
@@ -108,6 +117,7 @@ def unified_attention(
         seq_lens,
         partial_out,
         partial_lse,
+        tickets,
         key,
         value,
         slot_mapping,
@@ -131,7 +141,7 @@ def unified_attention(
         **constants,
         **pdl,
     )
-    if plan.num_splits > 1:
+    if plan.num_splits > 1 and not merge:
         split_kv.reduce_splits(scratch, output, query_start_loc, plan)
     return output
 
@@ -145,9 +155,11 @@ def kernel_constants(
     sliding: bool,
     soft_cap: bool,
     pdl: bool = False,
+    merge: bool = False,
 ) -> dict[str, Any]:
     """The attention kernel's constexpr arguments and launch options for ``plan`` (``pdl``:
-    launched with programmatic dependent launch, ``pdl.launch_options``)."""
+    launched with programmatic dependent launch, ``pdl.launch_options``; ``merge``: a split
+    launch merges its splits itself, ``split_kv.merge_if_last``)."""
     t = plan.tiles
     return dict(
         HEAD_SIZE=plan.head_size,
@@ -159,6 +171,7 @@ def kernel_constants(
         TILE_N=t.tile_n,
         BLOCK_SIZE=block_size,
         SPLIT=plan.num_splits > 1,
+        MERGE=merge and plan.num_splits > 1,
         SLIDING=sliding,
         SOFT_CAP=soft_cap,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -193,6 +206,7 @@ def _attention_kernel(
     seq_lens_ptr,
     part_out_ptr,  # [cap, Hq, S, D] fp32 flat, split-KV only
     part_lse_ptr,  # [cap, Hq, S] fp32 flat, split-KV only
+    tickets_ptr,  # [tiles * Hkv] int32, zero between launches, MERGE only
     new_k_ptr,  # [T, Hkv, D], WRITE_KV only
     new_v_ptr,
     slot_ptr,  # [T] slot of each token, -1 = none
@@ -222,6 +236,7 @@ def _attention_kernel(
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE: tl.constexpr,  # SPLIT: the tile's last split program merges (split_kv.merge_if_last)
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -317,6 +332,11 @@ def _attention_kernel(
             part_out_ptr, part_lse_ptr, out, lse, q_start + token, head, row_ok, store_mask,
             dims, tl.program_id(2), tl.num_programs(2), GROUP * tl.num_programs(1), HEAD_SIZE,
         )  # fmt: skip
+        if MERGE:
+            merge_if_last(
+                part_out_ptr, part_lse_ptr, tickets_ptr, out_ptr, q_start + token, head, row_ok,
+                store_mask, dims, stride_ot, stride_oh, GROUP * tl.num_programs(1), HEAD_SIZE,
+            )  # fmt: skip
     else:
         o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh  # [M]
         tl.store(
