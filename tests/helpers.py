@@ -4,6 +4,10 @@ a model whose q/k/v are looked up from random tables, batch builders and cache s
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,3 +202,19 @@ def small_bf16_llama(vocab, hidden, intermediate, *, device="cpu", norms_off_one
                 if "norm" in name:
                     p.uniform_(0.5, 1.5)
     return model
+
+
+def compiled_without_interpreter(module: str, function: str):
+    """``module.function()``'s JSON result, run in a process without TRITON_INTERPRET (kernels
+    defined for compilation, as CI compiles for a GPU it does not have)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import json, {module}; print(json.dumps({module}.{function}()))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(__file__),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

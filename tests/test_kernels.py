@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import dense_attention, rel_err
+from helpers import compiled_without_interpreter, dense_attention, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -924,14 +922,7 @@ def _spill(compiled) -> int | None:
 )
 def test_cuda_launches_compile_for_hopper():
     """CI has no GPU: compile what the GPU will run, for sm_90, and check it fits."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json, test_kernels; print(json.dumps(test_kernels.compile_for_hopper()))"
-    tests_dir = os.path.dirname(__file__)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tests_dir, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+    for r in compiled_without_interpreter("test_kernels", "compile_for_hopper"):
         assert r["shared"] <= 227 * 1024, r  # an H100/H200 block's shared-memory limit
         assert r["spill"] in (0, None), r
         if "merge" in r:  # one acquire-release arrival a program, only where splits merge

@@ -12,10 +12,6 @@ from __future__ import annotations
 import ast
 import inspect
 import itertools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 import types
 
@@ -23,6 +19,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from helpers import compiled_without_interpreter
 
 from graphattn.envs import triton_interpret
 from graphattn.kernels import gemv as gemv_module
@@ -616,17 +613,7 @@ def compile_gemvs_for_hopper() -> list[dict]:
 
 def test_gemv_kernels_compile_for_hopper_with_pdl():
     """CI has no GPU: the PDL variants compile for sm_90 and carry both instructions."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json, test_pdl; print(json.dumps(test_pdl.compile_gemvs_for_hopper()))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=os.path.dirname(__file__),
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compiled_without_interpreter("test_pdl", "compile_gemvs_for_hopper")
     assert len(results) == 10
     for r in results:
         assert r["wait"] and r["signal"], r

@@ -6,15 +6,12 @@ GPU test, in test_capture.py and below)."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from helpers import compiled_without_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -167,15 +164,5 @@ def compile_for_hopper() -> dict:
 )
 def test_staging_kernel_compiles_for_hopper_reading_the_host_uncached():
     """Every load of the pinned buffers is ld.global.cv (no line an earlier launch cached)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json, test_stage_inputs as t; print(json.dumps(t.compile_for_hopper()))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=os.path.dirname(__file__),
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = compiled_without_interpreter("test_stage_inputs", "compile_for_hopper")
     assert r["cv_loads"] >= si.MAX_SEGMENTS and r["other_loads"] == 0 and r["stores"] > 0, r
