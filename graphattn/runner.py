@@ -336,7 +336,17 @@ class ModelRunner:
             )
             for _ in range(warmups):  # kernels compile and autotune outside the graph
                 self.run(eager)
+            if self._stages_inputs(mode):  # the prologue runs only in a capture: compile it here
+                self.buffers.stage_to_device(key.num_tokens, key.num_reqs)
             self.run(plan, capturing=True)
+
+    def _stages_inputs(self, mode: CUDAGraphMode) -> bool:
+        """Whether a graph of ``mode`` starts with the staging kernel (``input_staging``)."""
+        return (
+            mode == CUDAGraphMode.FULL
+            and self.copies_in_full_graphs
+            and self.input_staging == "kernel"
+        )
 
     def _synthetic_plan(self, mode: CUDAGraphMode, key: BatchDescriptor) -> StepPlan:
         if self._copies_done is not None:  # the last key's copies have left the buffers
