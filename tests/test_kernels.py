@@ -300,8 +300,7 @@ def test_awkward_batch(num_splits, head_size, block_size):
     assert_matches_references(case, out, scale=0.1)
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
-@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize(("kind", "num_splits"), [("decode", 5), ("mixed", 2)])
 def test_fused_split_merge_matches_the_reduction_kernel(kind, num_splits, monkeypatch):
     """GRAPHATTN_FUSED_SPLIT_MERGE's path: the tile's last split program merges. The same rows
     as the reduction kernel's (which must not run), padding rows included, every ticket back
