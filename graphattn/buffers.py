@@ -101,8 +101,12 @@ class InputBuffers:
         """
         self._i64.copy_prefix(self.output_index.end - self.output_index.np.size + num_tokens)
         self._pos.copy_prefix(num_tokens)
+        self._i32.copy_prefix(self._i32_prefix(num_reqs))
+
+    def _i32_prefix(self, num_reqs: int) -> int:
+        """Elements of the int32 buffer up to ``num_reqs`` rows of its last block table."""
         last = self.block_tables[max(self.block_tables)]
-        self._i32.copy_prefix(last.end - last.np.size + num_reqs * last.np.shape[1])
+        return last.end - last.np.size + num_reqs * last.np.shape[1]
 
     def stage_to_device(self, num_tokens: int, num_reqs: int) -> None:
         """``copy_to_device``'s work as one kernel that reads the pinned buffers itself
@@ -125,8 +129,7 @@ class InputBuffers:
             segments.append((self.seq_lens.cpu[:r], self.seq_lens.gpu[:r]))
             segments += [(t.cpu[:r].reshape(-1), t.gpu[:r].reshape(-1)) for t in tables]
         else:  # the int32 prefix copy_to_device moves
-            last = tables[-1]
-            end = last.end - last.np.size + r * last.np.shape[1]
+            end = self._i32_prefix(r)
             segments.append((self._i32.host[:end], self._i32.device[:end]))
         return stage_inputs.StagingPlan(segments)
 
