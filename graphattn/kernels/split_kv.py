@@ -162,6 +162,7 @@ def merge_if_last(
     stride_oh,
     num_heads,
     HEAD_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # the launch's split count (tl.num_programs(2))
 ):
     """After ``store_partial``, in every split program of one (query tile, KV head): the last
     to arrive merges the tile's rows of every split into ``out`` (as ``_reduce_kernel`` does)
@@ -169,16 +170,20 @@ def merge_if_last(
 
     The arrival is counted once all of the program's threads have stored their rows (the
     barrier) with an acquire-release atomic at GPU scope, so the last program's reads, made
-    after its own arrival and through L2 (``.cg``), see every split's rows.
+    after its own arrival and through L2 (``.cg``), see every split's rows. The loops over
+    the splits unroll (``NUM_SPLITS`` is a constexpr), so no load waits on another and all
+    of them are in flight at once, as in ``_reduce_kernel``. A runtime loop here is not
+    pipelined (its loads feed no ``tl.dot``) and paid an L2 round trip per split and pass:
+    the first build of this merge made the step 79 us slower at batch 1 than the reduction
+    kernel (docs/performance.md, round 14).
     """
     tl.debug_barrier()
-    num_splits = tl.num_programs(2)
     ticket = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        first = (token.to(tl.int64) * num_heads + head) * num_splits  # [M] split 0's row
+    if arrived == NUM_SPLITS - 1:
+        first = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS  # [M] split 0's row
         top = tl.full(row_ok.shape, float("-inf"), tl.float32)
-        for split in range(0, num_splits):
+        for split in tl.static_range(NUM_SPLITS):
             lse = tl.load(
                 part_lse_ptr + first + split, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
             )
@@ -186,7 +191,7 @@ def merge_if_last(
         top = tl.where(top > float("-inf"), top, 0.0)  # no key at all: every weight is 0
         acc = tl.zeros(store_mask.shape, tl.float32)
         total = tl.zeros(row_ok.shape, tl.float32)
-        for split in range(0, num_splits):
+        for split in tl.static_range(NUM_SPLITS):  # in split order, as the reduction sums
             row = first + split
             lse = tl.load(
                 part_lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg"

@@ -171,7 +171,9 @@ def kernel_constants(
         TILE_N=t.tile_n,
         BLOCK_SIZE=block_size,
         SPLIT=plan.num_splits > 1,
-        MERGE=merge and plan.num_splits > 1,
+        # the split count when the launch merges its splits itself (0: the reduction kernel
+        # does): a constexpr, so the merge's loads over the splits unroll and go out together
+        MERGE_SPLITS=plan.num_splits if merge and plan.num_splits > 1 else 0,
         SLIDING=sliding,
         SOFT_CAP=soft_cap,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -206,7 +208,7 @@ def _attention_kernel(
     seq_lens_ptr,
     part_out_ptr,  # [cap, Hq, S, D] fp32 flat, split-KV only
     part_lse_ptr,  # [cap, Hq, S] fp32 flat, split-KV only
-    tickets_ptr,  # [tiles * Hkv] int32, zero between launches, MERGE only
+    tickets_ptr,  # [tiles * Hkv] int32, zero between launches, MERGE_SPLITS only
     new_k_ptr,  # [T, Hkv, D], WRITE_KV only
     new_v_ptr,
     slot_ptr,  # [T] slot of each token, -1 = none
@@ -236,7 +238,7 @@ def _attention_kernel(
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
-    MERGE: tl.constexpr,  # SPLIT: the tile's last split program merges (split_kv.merge_if_last)
+    MERGE_SPLITS: tl.constexpr,  # > 0: the tile's last of these split programs merges them
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -332,10 +334,11 @@ def _attention_kernel(
             part_out_ptr, part_lse_ptr, out, lse, q_start + token, head, row_ok, store_mask,
             dims, tl.program_id(2), tl.num_programs(2), GROUP * tl.num_programs(1), HEAD_SIZE,
         )  # fmt: skip
-        if MERGE:
+        if MERGE_SPLITS > 0:  # split_kv.merge_if_last
             merge_if_last(
                 part_out_ptr, part_lse_ptr, tickets_ptr, out_ptr, q_start + token, head, row_ok,
                 store_mask, dims, stride_ot, stride_oh, GROUP * tl.num_programs(1), HEAD_SIZE,
+                MERGE_SPLITS,
             )  # fmt: skip
     else:
         o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh  # [M]
