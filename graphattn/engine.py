@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 import warnings
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ class CompiledModel:
         self.config = config
         self.device, self.dtype = _device_and_dtype(model, config)
         self.kernel_settings = _kernel_settings(self.device)  # a bad variable fails here
-        self.input_staging = envs.input_staging()
+        self.input_staging, staging_note = _input_staging()
         self.kv_cache_dtype = (
             self.dtype
             if config.kv_cache_dtype == "auto"
@@ -95,9 +96,9 @@ class CompiledModel:
             )
             if self.runner.copies_in_full_graphs:
                 self.capture_info["input_staging"] = (
-                    "one kernel reading the pinned buffers (GRAPHATTN_INPUT_STAGING=kernel)"
+                    "one kernel reading the pinned buffers"
                     if self.input_staging == "kernel"
-                    else "three memcpy nodes"
+                    else f"three memcpy nodes ({staging_note or 'GRAPHATTN_INPUT_STAGING=copies'})"
                 )
         self.runner.planner = self.graphs.dispatcher.dispatch
         self.report = self._make_report(time.perf_counter() - start)
@@ -339,6 +340,18 @@ def _kernel_settings(device: torch.device) -> dict[str, str]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return {"pdl": pdl.describe(device), "split_kv_merge": merge}
+
+
+def _input_staging() -> tuple[str, str | None]:
+    """How full graphs stage their inputs (``envs.input_staging``), and why not as asked:
+    the staging kernel is a Triton kernel, so without Triton the graphs copy (reported in
+    ``report.capture``, and logged)."""
+    staging = envs.input_staging()
+    if staging == "kernel" and importlib.util.find_spec("triton") is None:
+        note = "the staging kernel needs Triton, which is not installed"
+        logger.warning("input staging: three memcpy nodes instead of one kernel (%s)", note)
+        return "copies", note
+    return staging, None
 
 
 def _inference_mode() -> Any:

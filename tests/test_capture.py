@@ -61,7 +61,7 @@ def cache_dir(tmp_path_factory):
 _ENGINES: dict = {}
 
 
-def _engines(model, cache_dir, backend, mode, staging="copies"):
+def _engines(model, cache_dir, backend, mode, staging="kernel"):
     """(reference, graph engine) for backend x mode, built once per module (``staging``:
     GRAPHATTN_INPUT_STAGING while the graph engine is built)."""
     key = (backend, mode, staging)
@@ -154,14 +154,14 @@ def test_graph_engine_matches_eager_engine(model, cache_dir, backend, mode):
 
 
 @pytest.mark.parametrize("mode", [M.FULL, M.FULL_AND_PIECEWISE], ids=str)
-def test_staging_kernel_engine_matches_eager_engine(model, cache_dir, mode):
-    """GRAPHATTN_INPUT_STAGING=kernel: the full graphs start with the staging kernel instead
-    of three copies; decodes, mixed batches (reordered: the output index too) and padding as
-    above."""
-    _check_graph_engine(model, cache_dir, "TRITON", mode, staging="kernel")
+def test_copy_staging_engine_matches_eager_engine(model, cache_dir, mode):
+    """GRAPHATTN_INPUT_STAGING=copies: the full graphs start with three copies instead of the
+    staging kernel (the default); decodes, mixed batches (reordered: the output index too)
+    and padding as above."""
+    _check_graph_engine(model, cache_dir, "TRITON", mode, staging="copies")
 
 
-def _check_graph_engine(model, cache_dir, backend, mode, staging="copies"):
+def _check_graph_engine(model, cache_dir, backend, mode, staging="kernel"):
     expected_mode = RESOLVED[backend][mode]
     if expected_mode is None:
         with pytest.raises(ga.CUDAGraphModeError, match="TORCH_REF supports NEVER"):

@@ -107,12 +107,34 @@ def test_staging_moves_what_the_step_reads(ratios, tokens, reqs):
 
 def test_input_staging_variable(monkeypatch):
     monkeypatch.delenv("GRAPHATTN_INPUT_STAGING", raising=False)
+    assert envs.input_staging() == "kernel"  # the default since round 14 (measured faster)
+    monkeypatch.setenv("GRAPHATTN_INPUT_STAGING", "copies")
     assert envs.input_staging() == "copies"
-    monkeypatch.setenv("GRAPHATTN_INPUT_STAGING", "kernel")
-    assert envs.input_staging() == "kernel"
     monkeypatch.setenv("GRAPHATTN_INPUT_STAGING", "dma")
     with pytest.raises(ConfigError, match=re.escape("('copies', 'kernel'), got 'dma'")):
         envs.input_staging()
+
+
+def test_input_staging_without_triton_falls_back_to_copies(monkeypatch, caplog):
+    """The staging kernel is Triton's: where Triton is missing the full graphs copy, and the
+    engine says so (the report's capture section and a warning in the log)."""
+    import importlib.util
+
+    from graphattn import engine
+
+    monkeypatch.delenv("GRAPHATTN_INPUT_STAGING", raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    with caplog.at_level("WARNING", logger="graphattn"):
+        staging, note = engine._input_staging()
+    assert staging == "copies" and "needs Triton" in note
+    assert "three memcpy nodes instead of one kernel" in caplog.text
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert engine._input_staging() == ("kernel", None)
+    monkeypatch.setenv("GRAPHATTN_INPUT_STAGING", "copies")
+    assert engine._input_staging() == ("copies", None)
 
 
 @pytest.mark.gpu

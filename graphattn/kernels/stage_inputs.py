@@ -9,7 +9,8 @@ buffers.
 
 A copy is a list of segments ``(source, destination, words)``: contiguous runs of 32-bit
 words (an int64 element is two), which a program walks in blocks of ``BLOCK`` words.
-Opt-in (``GRAPHATTN_INPUT_STAGING=kernel``, ``graphattn/envs.py``); not yet measured.
+The default for full graphs since round 14 (19-21 us a step faster than the three copies on
+the H200, docs/performance.md); ``GRAPHATTN_INPUT_STAGING=copies`` goes back to the copies.
 """
 
 from __future__ import annotations
