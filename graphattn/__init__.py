@@ -32,6 +32,7 @@ from graphattn.errors import (
     RecompileError,
     UnsupportedModeError,
 )
+from graphattn.head import linear
 from graphattn.report import EngineStats, Report
 from graphattn.sampling import greedy
 
@@ -64,6 +65,7 @@ __all__ = [
     "UnsupportedModeError",
     "compile",
     "greedy",
+    "linear",
     "models",
     "register_backend",
 ]

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from graphattn.attention.layer import Attention
+from graphattn.head import linear
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [T, V]
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias)  # [T, V]
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
