@@ -49,8 +49,8 @@ INPUT_STAGINGS = ("copies", "kernel")
 def input_staging() -> str:
     """``GRAPHATTN_INPUT_STAGING``: how a FULL graph brings the step's inputs to the device:
     ``kernel`` (the default: one kernel that reads the pinned buffers,
-    ``kernels/stage_inputs.py``; 19-21 us faster a step than the copies on the H200, round
-    14) or ``copies`` (three memcpy nodes)."""
+    ``kernels/stage_inputs.py``; on the H200 21-23 us a step faster than the copies at batch
+    1, 14-20 at 8 and 32, round 14) or ``copies`` (three memcpy nodes)."""
     raw = os.environ.get("GRAPHATTN_INPUT_STAGING", "kernel") or "kernel"
     if raw not in INPUT_STAGINGS:
         raise ConfigError(f"GRAPHATTN_INPUT_STAGING must be one of {INPUT_STAGINGS}, got {raw!r}")

@@ -4,8 +4,8 @@
 # reversed in even rounds. A setting is a space-separated list of VAR=VALUE ("-" for none).
 #
 #   scripts/ab_env.sh [ROUNDS=3] [BATCHES=1,8] SETTING...
-#   scripts/ab_env.sh 2 1,8,32 - GRAPHATTN_FUSED_SPLIT_MERGE=1 GRAPHATTN_INPUT_STAGING=kernel \
-#     "GRAPHATTN_FUSED_SPLIT_MERGE=1 GRAPHATTN_INPUT_STAGING=kernel"
+#   scripts/ab_env.sh 2 1,8,32 - GRAPHATTN_FUSED_SPLIT_MERGE=1 GRAPHATTN_INPUT_STAGING=copies \
+#     "GRAPHATTN_FUSED_SPLIT_MERGE=1 GRAPHATTN_INPUT_STAGING=copies"
 #   CPU check: AB_DECODE_ARGS=--smoke scripts/ab_env.sh 1 1 - GRAPHATTN_INPUT_STAGING=kernel
 #
 # Prints each run's FULL milliseconds per batch size; JSON under $OUT/env-N-ROUND.json (N:
