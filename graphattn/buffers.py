@@ -1,11 +1,11 @@
 """Persistent input buffers: allocated once at the largest step, read by graphs by address.
 
 Every per-step input lives in one of three flat buffers, each with a pinned host copy, so a
-step reaches the device with three asynchronous copies whatever the batch (a FULL step's
-graph issues them itself, as one kernel, ``stage_to_device``, or with
-``GRAPHATTN_INPUT_STAGING=copies`` as three copies: ``ModelRunner.full_graph_prologue``). The model's two
-inputs (``input_ids``, ``positions``) each start a buffer: the traced graph sees tensors
-with storage offset 0, so the offset never becomes a symbolic size.
+step reaches the device with three asynchronous copies whatever the batch. A FULL step's
+graph moves them itself (``ModelRunner.full_graph_prologue``): as one kernel,
+``stage_to_device``, or with ``GRAPHATTN_INPUT_STAGING=copies`` as the three copies. The
+model's two inputs (``input_ids``, ``positions``) each start a buffer: the traced graph sees
+tensors with storage offset 0, so the offset never becomes a symbolic size.
 """
 
 from __future__ import annotations

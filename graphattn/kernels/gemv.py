@@ -251,9 +251,10 @@ def gemv_supported(
 ) -> bool:
     """Whether ``gemv(x, weight)`` runs with vectorised loads: tensors on a device of
     ``device_types`` (tests add the interpreter's "cpu") of one supported dtype, 1-16 rows,
-    a contiguous weight and rows whose length and starts are 16-byte aligned. ``gemv`` itself also takes other K and strides, more slowly. Only one row has
-    measured configs: at 2-16 rows ``choose_gemv_config``'s estimates lost to cuBLAS in the
-    sweep, by up to 9x (docs/results/gemv-h200.log), so callers should keep cuBLAS there."""
+    a contiguous weight and rows whose length and starts are 16-byte aligned. ``gemv``
+    itself also takes other K and strides, more slowly. Only one row has measured configs:
+    at 2-16 rows ``choose_gemv_config``'s estimates lost to cuBLAS in the sweep, by up to
+    9x (docs/results/gemv-h200.log), so callers should keep cuBLAS there."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return False
     if x.device.type not in device_types or weight.device != x.device:
