@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import time
 import warnings
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from graphattn.capture.mode import CUDAGraphMode
 from graphattn.capture.resolve import FallbackRecord, resolve_for_engine
 from graphattn.config import CompileConfig, parse_dtype
 from graphattn.errors import ConfigError, CUDAGraphModeError, FallbackWarning, InvalidInputError
-from graphattn.kernels import attention_plan, pdl
+from graphattn.kernels import attention_plan, pdl, triton_import_error
 from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
 from graphattn.runner import ModelRunner
@@ -347,8 +346,9 @@ def _input_staging() -> tuple[str, str | None]:
     the staging kernel is a Triton kernel, so without Triton the graphs copy (reported in
     ``report.capture``, and logged)."""
     staging = envs.input_staging()
-    if staging == "kernel" and importlib.util.find_spec("triton") is None:
-        note = "the staging kernel needs Triton, which is not installed"
+    missing = triton_import_error() if staging == "kernel" else None
+    if missing is not None:
+        note = f"the staging kernel needs Triton, which cannot be imported ({missing})"
         logger.warning("input staging: three memcpy nodes instead of one kernel (%s)", note)
         return "copies", note
     return staging, None

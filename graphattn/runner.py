@@ -95,9 +95,9 @@ class ModelRunner:
         # next step overwrites them. External: full graphs record it (see full_graph_prologue).
         self._copies_done = torch.cuda.Event(external=True) if device.type == "cuda" else None
         # Set by the engine when its full graphs copy the inputs themselves, and how
-        # (envs.input_staging: "copies" or "kernel").
+        # (envs.input_staging: "kernel", the default, or "copies").
         self.copies_in_full_graphs = False
-        self.input_staging = "copies"
+        self.input_staging = "kernel"
         self._streams: dict[int, torch.cuda.Stream] = {}  # raw stream -> Stream, for record
         self._device_index = (
             (device.index if device.index is not None else torch.cuda.current_device())

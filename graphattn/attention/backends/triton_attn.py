@@ -35,6 +35,7 @@ from graphattn.attention.backend import (
 )
 from graphattn.attention.forward_context import get_forward_context
 from graphattn.attention.registry import register_backend
+from graphattn.kernels import triton_import_error as _triton_import_error
 from graphattn.kernels.attention_plan import MAX_GROUP, choose_num_splits  # no Triton needed
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
@@ -226,16 +227,6 @@ class TritonBackend(AttentionBackend):
         if group > MAX_GROUP:
             reasons.append(f"{group} query heads per KV head; the kernels take at most {MAX_GROUP}")
         return reasons
-
-
-@functools.cache
-def _triton_import_error() -> str | None:
-    """Why ``import triton`` fails here, or None when it works."""
-    try:
-        importlib.import_module("triton")
-    except ImportError as e:
-        return str(e) or type(e).__name__
-    return None
 
 
 @functools.cache
