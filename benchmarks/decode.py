@@ -724,37 +724,50 @@ def graphattn_mixed(engine, pool, s: Settings, rng) -> dict:
     }
 
 
-HOST_PHASES = ("prepare_inputs", "common_metadata", "build_metadata", "forward", "restore_order")
+# check_batch: the module function the runner's execute calls first (the batch's checks)
+HOST_PHASES = (
+    "check_batch",
+    "prepare_inputs",
+    "common_metadata",
+    "build_metadata",
+    "forward",
+    "restore_order",
+)
+
+
+def _timed(fn: Callable, out: list[float]) -> Callable:
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            out.append(time.perf_counter() - t)
+
+    return timed
 
 
 @contextlib.contextmanager
 def phase_timers(runner) -> Iterator[dict[str, list[float]]]:
-    """Wrap the runner's step phases that exist with host timers (seconds per call)."""
+    """Wrap the runner's step phases that exist (its methods, and the module's
+    ``check_batch``) with host timers (seconds per call)."""
     times: dict[str, list[float]] = {}
-    saved = {}
+    saved, module = {}, sys.modules[type(runner).__module__]
     for name in HOST_PHASES:
-        fn = getattr(runner, name, None)
+        owner = module if name == "check_batch" else runner
+        fn = getattr(owner, name, None)
         if not callable(fn):
             continue
-        saved[name] = runner.__dict__.get(name)
+        saved[name] = (owner, owner.__dict__.get(name))
         times[name] = []
-
-        def timed(*args, _fn=fn, _out=times[name], **kwargs):
-            t = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                _out.append(time.perf_counter() - t)
-
-        setattr(runner, name, timed)
+        setattr(owner, name, _timed(fn, times[name]))
     try:
         yield times
     finally:
-        for name, original in saved.items():
+        for name, (owner, original) in saved.items():
             if original is None:
-                delattr(runner, name)
+                delattr(owner, name)
             else:
-                setattr(runner, name, original)
+                setattr(owner, name, original)
 
 
 def host_step_times(
@@ -789,7 +802,8 @@ def graphattn_host(engine, pool, s: Settings, rng) -> dict:
         "graph's output rows into a new tensor). Median of host_iters steps after 20 "
         "warm-up. "
         "Phases come from a second pass with timers wrapped around the runner's methods "
-        "(other = step - phases). from_arrays/from_requests: the caller's batch building, "
+        "and the check_batch call (other = step - phases: the copies-done wait, the "
+        "inference-mode guard, the stats and the timers' own calls). from_arrays/from_requests: the caller's batch building, "
         "timed apart.",
     }
 
@@ -1785,7 +1799,7 @@ def table_host(data: dict) -> list[str]:
                 ",".join(modes),
             ]
         )
-    header = ["requests", "step", "step, clone", "prepare", "common md", "build md"]
+    header = ["requests", "step", "step, clone", "check", "prepare", "common md", "build md"]
     header += ["forward", "restore"]
     header += ["other", "from_arrays", "from_requests", "runtime mode"]
     return lines + _rows_table(header, rows)
