@@ -316,7 +316,7 @@ class ModelRunner:
         The event is recorded on a branch: a second stream forks after the copies and joins
         at the graph's end (the returned callable, which the wrapper captures after the
         model). On the model's stream an event node would sit between the copies and the
-        first kernel: 1.4-1.6 us a replay more on the H200 (``benchmarks/graph_head.py``).
+        first kernel: 1.3-1.6 us a replay more on the H200 (``benchmarks/graph_head.py``).
         """
         stream = self._current_stream()
         if self.input_staging == "kernel":
