@@ -20,6 +20,7 @@ import dataclasses
 import gc
 import hashlib
 import io
+import itertools
 import json
 import os
 import platform
@@ -641,13 +642,57 @@ def time_graphattn_batch(engine, pool, b: int, s: Settings, rng) -> dict:
     return timing | {"stats": delta}
 
 
+PROFILED_STEPS = 20
+
+
+def device_kernels(step: Callable[[int], Any], first: int, steps: int) -> list[tuple]:
+    """``step(first)`` .. ``step(first + steps - 1)`` under torch.profiler (CUDA): every
+    kernel and copy as (start us, end us, name), in start order."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(first, first + steps):
+            step(i)
+        torch.cuda.synchronize()
+    return sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
+    )
+
+
+def kernel_summary(engine, pool, b: int, rng) -> dict:
+    """Per step of ``b`` requests, over PROFILED_STEPS profiled steps: the kernels, their
+    summed time, the idle time between consecutive kernels, and how many start before the
+    one before has ended (programmatic dependent launch at work). A process whose step is
+    slower shows here whether its kernels or the gaps between them took the time."""
+    n = PROFILED_STEPS
+    tokens = random_tokens(rng, engine.model.vocab_size, (n + 5, b))
+    step = graphattn_decode(engine, pool, slice(0, b), tokens)
+    for i in range(5):
+        step(i)
+    kernels = device_kernels(step, 5, n)
+    gaps = [nxt[0] - cur[1] for cur, nxt in itertools.pairwise(kernels)]
+    return {
+        "steps": n,
+        "kernels_per_step": len(kernels) / n,
+        "kernel_us_per_step": sum(end - start for start, end, _ in kernels) / n,
+        "idle_us_per_step": sum(g for g in gaps if g > 0) / n,
+        "overlapping_per_step": sum(g < 0 for g in gaps) / n,
+        "span_us_per_step": (kernels[-1][1] - kernels[0][0]) / n if kernels else 0.0,
+    }
+
+
 def graphattn_latency(engine, pool, s: Settings, rng) -> dict:
-    """Decode step latency at each batch size (the first B requests of the pool)."""
+    """Decode step latency at each batch size (the first B requests of the pool); on CUDA,
+    with graphs, the first batch size's kernels too (``kernel_summary``)."""
     per_batch, ms = {}, {}
-    for b in s.batch_sizes:
+    for i, b in enumerate(s.batch_sizes):
         try:
             per_batch[str(b)] = time_graphattn_batch(engine, pool, b, s, rng)
             ms[str(b)] = per_batch[str(b)]["median_ms"]
+            if i == 0 and s.device == "cuda" and engine.report.resolved_mode != "NONE":
+                per_batch[str(b)]["kernels"] = kernel_summary(engine, pool, b, rng)
         except Exception as e:
             per_batch[str(b)] = failure(f"graphattn bs {b}", e)
             ms[str(b)] = None
@@ -1622,7 +1667,24 @@ def table_latency(data: dict) -> list[str]:
         by = floor["floor_ms_by_batch"]
         rows.append(["floor (weights read + KV)", "-", "-", *[_f(by.get(b)) for b in sizes], ""])
     header = ["config", "mode", "attention", *[f"bs={b}" for b in sizes], "note"]
-    return lines + _rows_table(header, rows)
+    return lines + _rows_table(header, rows) + kernel_lines(lat.get("rows", []), sizes[:1])
+
+
+def kernel_lines(rows: list[dict], sizes: list[str]) -> list[str]:
+    """The profiled steps of each graph row (``kernel_summary``), one line each."""
+    lines = []
+    for row in sorted(rows, key=row_order):
+        for b in sizes:
+            k = ((row.get("by_batch") or {}).get(b) or {}).get("kernels")
+            if k:
+                lines.append(
+                    f"  {row['label']} bs={b}, per profiled step: {k['kernels_per_step']:.0f} "
+                    f"kernels, {k['kernel_us_per_step']:.1f} us in kernels, "
+                    f"{k['idle_us_per_step']:.1f} us idle between them, "
+                    f"{k['overlapping_per_step']:.0f} started before the one before ended, "
+                    f"first start to last end {k['span_us_per_step']:.1f} us"
+                )
+    return lines
 
 
 def row_order(row: dict) -> int:

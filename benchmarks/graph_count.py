@@ -111,19 +111,10 @@ class Probe:
         step = D.graphattn_decode(engine, pool, slice(0, b), tokens)
         for i in range(10):
             step(i)
-        D.synchronize(self.s.device)
-        activities = [torch.profiler.ProfilerActivity.CPU]
+        kernels = []
         if self.s.device == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            for i in range(10, PROFILED_STEPS + 10):
-                step(i)
-            D.synchronize(self.s.device)
-        kernels = sorted(
-            (e.time_range.start, e.time_range.end, _short(e.name))
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
-        )
+            found = D.device_kernels(step, 10, PROFILED_STEPS)
+            kernels = [(start, end, _short(name)) for start, end, name in found]
         by_name, gaps = defaultdict(list), defaultdict(list)
         for start, end, name in kernels:
             by_name[name].append(end - start)

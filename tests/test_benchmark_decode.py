@@ -154,6 +154,22 @@ def test_graph_count_probe_on_the_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+def test_latency_profiles_the_first_batch_size_of_a_graph_engine(tmp_path):
+    """On CUDA a graph engine's latency row carries its first batch size's kernel summary
+    (``kernel_summary``), which the table prints; the other sizes are only timed."""
+    out = tmp_path / "decode.json"
+    args = ["--smoke", "--parts", "latency", "--modes", "FULL", "--baselines", ""]
+    assert decode.main([*args, "--batch-sizes", "1,2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    row = data["latency"]["rows"][0]
+    k = row["by_batch"]["1"]["kernels"]
+    assert k["steps"] == decode.PROFILED_STEPS and k["kernels_per_step"] >= 5
+    assert k["kernel_us_per_step"] > 0 and k["span_us_per_step"] > 0
+    assert "kernels" not in row["by_batch"]["2"]
+    assert any("per profiled step" in line for line in decode.table_latency(data))
+
+
+@pytest.mark.gpu
 def test_graph_count_probe_replays_every_piecewise_size(tmp_path):
     from benchmarks import graph_count
 
