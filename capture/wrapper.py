@@ -81,9 +81,7 @@ class CUDAGraphWrapper:
     ``prologue(key)``, when given, is captured at the head of every graph and never called
     outside one: work each replay must repeat before ``runnable`` (the runner's host-to-device
     input copies), which then costs no host call per step. When the wrapper calls through
-    (another runtime mode), the caller has done that work itself. What the prologue returns,
-    when not None, is called after ``runnable`` inside the same capture (to join a stream
-    the prologue forked).
+    (another runtime mode), the caller has done that work itself.
     """
 
     def __init__(
@@ -93,7 +91,7 @@ class CUDAGraphWrapper:
         state: CaptureState,
         *,
         name: str = "",
-        prologue: Callable[[Any], Callable[[], None] | None] | None = None,
+        prologue: Callable[[Any], None] | None = None,
     ) -> None:
         self.runnable = runnable
         self.runtime_mode = runtime_mode
@@ -125,10 +123,9 @@ class CUDAGraphWrapper:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.state.pool)
         try:
-            finish = self.prologue(key) if self.prologue is not None else None
+            if self.prologue is not None:
+                self.prologue(key)
             output = self.runnable(*args)
-            if finish is not None:
-                finish()
         except RuntimeError as e:
             _abandon(graph)
             raise CaptureError(

@@ -33,3 +33,8 @@ def test_every_variant_replays_and_stages(tmp_path):
     assert result["staged_check"] == {"input_ids": 7, "seq_lens": 513}
     assert set(result["us_per_replay_median"]) == set(graph_head.VARIANTS)
     assert all(v > 0 for v in result["us_per_replay_median"].values())
+    assert set(result["paced_us_per_replay_median"]) == {
+        "stage_event",
+        "stage_event_branch",
+        "copies_event",
+    }
