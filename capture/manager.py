@@ -69,7 +69,9 @@ class CaptureManager:
         return wrap
 
     def wrap_model(
-        self, forward: Callable[..., Any], prologue: Callable[[Any], None] | None = None
+        self,
+        forward: Callable[..., Any],
+        prologue: Callable[[Any], Callable[[], None] | None] | None = None,
     ) -> Callable[..., Any]:
         """``forward`` under a FULL wrapper when the mode has full graphs; ``prologue(key)``
         is captured at the head of each full graph (see ``CUDAGraphWrapper``).

@@ -81,7 +81,9 @@ class CUDAGraphWrapper:
     ``prologue(key)``, when given, is captured at the head of every graph and never called
     outside one: work each replay must repeat before ``runnable`` (the runner's host-to-device
     input copies), which then costs no host call per step. When the wrapper calls through
-    (another runtime mode), the caller has done that work itself.
+    (another runtime mode), the caller has done that work itself. What the prologue returns,
+    when not None, is called after ``runnable`` inside the same capture (to join a stream
+    the prologue forked).
     """
 
     def __init__(
@@ -91,7 +93,7 @@ class CUDAGraphWrapper:
         state: CaptureState,
         *,
         name: str = "",
-        prologue: Callable[[Any], None] | None = None,
+        prologue: Callable[[Any], Callable[[], None] | None] | None = None,
     ) -> None:
         self.runnable = runnable
         self.runtime_mode = runtime_mode
@@ -123,9 +125,10 @@ class CUDAGraphWrapper:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.state.pool)
         try:
-            if self.prologue is not None:
-                self.prologue(key)
+            finish = self.prologue(key) if self.prologue is not None else None
             output = self.runnable(*args)
+            if finish is not None:
+                finish()
         except RuntimeError as e:
             _abandon(graph)
             raise CaptureError(

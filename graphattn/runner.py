@@ -99,6 +99,7 @@ class ModelRunner:
         self.copies_in_full_graphs = False
         self.input_staging = "kernel"
         self._streams: dict[int, torch.cuda.Stream] = {}  # raw stream -> Stream, for record
+        self._event_stream: torch.cuda.Stream | None = None  # full_graph_prologue's branch
         self._device_index = (
             (device.index if device.index is not None else torch.cuda.current_device())
             if device.type == "cuda"
@@ -305,18 +306,29 @@ class ModelRunner:
             for g in self.attn_groups
         )
 
-    def full_graph_prologue(self, key: BatchDescriptor) -> None:
+    def full_graph_prologue(self, key: BatchDescriptor) -> Callable[[], None]:
         """Captured at the head of each full graph: the input copies of a step of ``key``'s
         padded size (three memcpy nodes, or one staging kernel: ``input_staging``), then the
         copies-done event. A replay then moves the pinned buffers as it
         runs, so a FULL step makes no copy call; the pinned buffers stay untouched until the
         event (the next ``execute`` waits for it).
+
+        The event is recorded on a branch: a second stream forks after the copies and joins
+        at the graph's end (the returned callable, which the wrapper captures after the
+        model). On the model's stream an event node would sit between the copies and the
+        first kernel: 1.3-1.6 us a replay more on the H200 (``benchmarks/graph_head.py``).
         """
+        stream = self._current_stream()
         if self.input_staging == "kernel":
             self.buffers.stage_to_device(key.num_tokens, key.num_reqs)
         else:
             self.buffers.copy_to_device(key.num_tokens, key.num_reqs)
-        self._copies_done.record(self._current_stream())
+        if self._event_stream is None:
+            self._event_stream = torch.cuda.Stream(self._device_index)
+        branch = self._event_stream
+        branch.wait_stream(stream)
+        self._copies_done.record(branch)
+        return lambda: stream.wait_stream(branch)
 
     def capture_graphs(
         self, keys: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], warmups: int = 1

@@ -229,3 +229,28 @@ sys.exit(3)
         "unavailable: its process exited 3 after writing what it measured"
     )
     assert [e["where"] for e in data["errors"]] == ["engine:eager", "baselines"]
+
+
+def test_baselines_run_the_trace_last(tmp_path, monkeypatch):
+    """The reduce-overhead trace, whose first step overruns any budget, runs after every
+    latency baseline, so a time limit cuts it rather than torch.compile's row."""
+    calls = []
+    monkeypatch.setattr(decode, "build_baseline", lambda model, s, rng: object())
+    monkeypatch.setattr(
+        decode,
+        "baseline_latency",
+        lambda base, kind, s, rng, deadline: calls.append(kind) or {"label": kind},
+    )
+    monkeypatch.setattr(
+        decode,
+        "baseline_trace_entry",
+        lambda base, s, rng, deadline, res: calls.append("trace") or {"label": "trace"},
+    )
+    s = decode.settings_from_args(
+        decode.parse_args(
+            [*QUICK, "--parts", "latency,trace", "--baselines", "compile,eager,reduce-overhead"]
+        )
+    )
+    res = decode.Results(tmp_path / "out.json", {})
+    decode.run_baselines(None, s, res, decode.Deadline(60.0, 0.0))
+    assert calls == ["eager", "reduce-overhead", "compile", "trace"]

@@ -287,7 +287,8 @@ class _FakeGraph:
 
 def test_wrapper_prologue_is_captured_never_called_outside_a_capture(monkeypatch):
     """The prologue (the runner's input copies) runs between capture_begin and the model,
-    once per key; a replay and a call-through (another runtime mode) never run it."""
+    once per key, and what it returns after the model, before capture_end (the runner joins
+    its event branch there); a replay and a call-through (another runtime mode) run neither."""
     from graphattn.attention import set_forward_context
     from graphattn.capture.wrapper import CaptureState, CUDAGraphWrapper
 
@@ -300,14 +301,16 @@ def test_wrapper_prologue_is_captured_never_called_outside_a_capture(monkeypatch
         log.append("model")
         return x + 1
 
-    wrapper = CUDAGraphWrapper(
-        model, M.FULL, state, prologue=lambda key: log.append(f"prologue {key.num_tokens}")
-    )
+    def prologue(key):
+        log.append(f"prologue {key.num_tokens}")
+        return lambda: log.append(f"finish {key.num_tokens}")
+
+    wrapper = CUDAGraphWrapper(model, M.FULL, state, prologue=prologue)
     key = BatchDescriptor(8, 8, True)
     x = torch.zeros(8)
     with set_forward_context(None, key, M.FULL, layers={}):
         wrapper(x)
-    assert log == ["capture_begin", "prologue 8", "model", "capture_end"]
+    assert log == ["capture_begin", "prologue 8", "model", "finish 8", "capture_end"]
     state.open = False
     for mode, expected in ((M.FULL, ["replay"]), (M.PIECEWISE, ["model"]), (M.NONE, ["model"])):
         log.clear()
