@@ -316,7 +316,9 @@ class ModelRunner:
         The event is recorded on a branch: a second stream forks after the copies and joins
         at the graph's end (the returned callable, which the wrapper captures after the
         model). On the model's stream an event node would sit between the copies and the
-        first kernel: 1.3-1.6 us a replay more on the H200 (``benchmarks/graph_head.py``).
+        first kernel: 1.3-1.6 us a replay more on the H200, on two leases; waiting for the
+        event and then replaying, as ``execute`` does, takes no longer with the branch
+        (``benchmarks/graph_head.py``, its paced loop).
         """
         stream = self._current_stream()
         if self.input_staging == "kernel":
