@@ -848,8 +848,8 @@ def graphattn_host(engine, pool, s: Settings, rng) -> dict:
         "warm-up. "
         "Phases come from a second pass with timers wrapped around the runner's methods "
         "and the check_batch call (other = step - phases: the copies-done wait, the "
-        "inference-mode guard, the stats and the timers' own calls). from_arrays/from_requests: the caller's batch building, "
-        "timed apart.",
+        "inference-mode guard, the stats and the timers' own calls). "
+        "from_arrays/from_requests: the caller's batch building, timed apart.",
     }
 
 
