@@ -2,7 +2,10 @@
 
 Times one engine's decode step (``--target``, default FULL; median of the decode benchmark's
 timed steps, CUDA events) in a process that first built, ran and deleted the ``--before``
-engines, then profiles 30 steps and prints the kernels and the largest gaps between them.
+engines, then profiles 30 steps and prints the kernels, the largest gaps between them and
+what each kind of kernel adds to the step's span (``critical_path``: under PDL a kernel's
+own duration includes the wait for the kernels before it); the JSON also holds one step's
+kernels with their start and end (``one_step``).
 ``--target-first`` also times the target before anything else is built and again after,
 so one engine is compared with itself (it stays alive to the end, beside the engines built
 after it); ``--dummy-graphs N`` captures (and replays once) N
@@ -120,7 +123,12 @@ class Probe:
             by_name[name].append(end - start)
         for (_, end, first), (start, _, then) in itertools.pairwise(kernels):
             gaps[f"{first[:40]} -> {then[:40]}"].append(start - end)
-        return {"kernels": per_step(by_name), "gaps": per_step(gaps)}
+        return {
+            "kernels": per_step(by_name),
+            "gaps": per_step(gaps),
+            "critical": critical_path(kernels, PROFILED_STEPS),
+            "one_step": one_step(kernels, PROFILED_STEPS),
+        }
 
 
 def replay_piecewise(probe: Probe, engine, pool, rng) -> int:
@@ -149,6 +157,54 @@ def per_step(times: dict[str, list[float]]) -> list[dict]:
         for k, v in times.items()
     ]
     return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def critical_path(kernels: list[tuple[float, float, str]], steps: int) -> list[dict]:
+    """What each kernel adds to the step's span, by name, per step: the time by which its end
+    passes the latest end of the kernels before it (in start order), counting only time after
+    its own start. Under PDL a kernel starts early and waits, so its duration includes the
+    kernels before it; this does not. Summed over the kernels it is the span less the idle
+    time. Rows sorted by that time (us_per_step is the plain duration, for comparison)."""
+    added, took, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    latest = None
+    for start, end, name in kernels:
+        floor = start if latest is None else max(latest, start)
+        added[name] += max(0.0, end - floor)
+        took[name] += end - start
+        count[name] += 1
+        latest = end if latest is None else max(latest, end)
+    rows = [
+        {
+            "name": name,
+            "per_step": count[name] / steps,
+            "critical_us_per_step": added[name] / steps,
+            "us_per_step": took[name] / steps,
+        }
+        for name in added
+    ]
+    return sorted(rows, key=lambda r: -r["critical_us_per_step"])
+
+
+def one_step(kernels: list[tuple[float, float, str]], steps: int) -> list[dict]:
+    """The kernels of the middle profiled step, times from its first kernel's start (us):
+    start, end and what each adds to the span (``critical_path``). Empty unless the
+    profile holds the same number of kernels in every step."""
+    if not kernels or len(kernels) % steps:
+        return []
+    n = len(kernels) // steps
+    step = kernels[n * (steps // 2) : n * (steps // 2 + 1)]
+    t0, latest, rows = step[0][0], step[0][0], []
+    for start, end, name in step:
+        rows.append(
+            {
+                "name": name,
+                "start_us": start - t0,
+                "end_us": end - t0,
+                "adds_us": max(0.0, end - max(latest, start)),
+            }
+        )
+        latest = max(latest, end)
+    return rows
 
 
 def capture_dummy_graphs(n: int) -> list[torch.cuda.CUDAGraph]:
@@ -209,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {r['us_per_step']:8.1f} us {r['per_step']:5.1f}x {r['name']}")
         for r in entry["gaps"][:10]:
             print(f"   gap {r['us_per_step']:6.1f} us {r['per_step']:5.1f}x {r['name']}")
+        for r in entry["critical"][:12]:
+            print(
+                f"   adds {r['critical_us_per_step']:7.1f} us {r['per_step']:5.1f}x {r['name']}"
+                f" (runs {r['us_per_step']:.1f} us)"
+            )
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     return 0
