@@ -1103,6 +1103,14 @@ def run_baselines(model, s: Settings, res: Results, deadline: Deadline) -> None:
         t = time.perf_counter()
         log(f"baseline: {job}")
         if job == "trace":
+            # Saved first: if the process is stopped inside the trace (--config-timeout; its
+            # first step is a long compile), the parent says how far it had got.
+            res.put(
+                "trace",
+                "baseline",
+                {"label": "baseline", "status": RUNNING, "began_s": t - deadline.start},
+            )
+            res.save()
             res.put("trace", "baseline", baseline_trace_entry(base, s, rng, deadline, res))
         else:
             res.add_row("latency", baseline_latency(base, job, s, rng, deadline))
@@ -1111,6 +1119,29 @@ def run_baselines(model, s: Settings, res: Results, deadline: Deadline) -> None:
     res.data["wall_seconds"]["baseline"] = time.perf_counter() - start
     del base
     release(s.device)
+
+
+RUNNING = "running"  # a trace row's status while it runs (run_baselines)
+
+
+def stopped_while_running(res: Results, status: str, now_s: float) -> bool:
+    """Replace a baseline trace row left ``RUNNING`` by a process stopped from outside with
+    ``status`` and how long the trace had run (``now_s``: seconds since the run began, as the
+    row's ``began_s``); whether there was one."""
+    row = res.data.get("trace", {}).get("baseline")
+    if not row or row.get("status") != RUNNING:
+        return False
+    ran = now_s - row["began_s"]
+    res.put(
+        "trace",
+        "baseline",
+        row
+        | {
+            "status": f"{status}: stopped {ran:.0f} s into the trace, before it ended",
+            "ran_s": ran,
+        },
+    )
+    return True
 
 
 def baseline_trace_entry(base, s: Settings, rng, deadline: Deadline, res: Results) -> dict:
@@ -1378,6 +1409,7 @@ def run_isolated(s: Settings, res: Results, deadline: Deadline, cache_dir: str) 
                 merge_child(res, child)
                 res.data["meta"].setdefault("config_pids", {})[job] = child["meta"].get("pid")
                 if status:
+                    stopped_while_running(res, status, time.perf_counter() - deadline.start)
                     status += " after writing what it measured"
             if status:
                 fail_config(res, job, s, status)

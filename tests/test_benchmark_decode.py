@@ -140,6 +140,29 @@ def test_graph_count_prefill_chunks_cover_a_capture_size():
     assert prefill_chunks(128, 64) == [(0, 0, 64), (1, 0, 64)]
 
 
+def test_graph_count_critical_path_counts_what_each_kernel_adds_to_the_span():
+    """Overlapping kernels (PDL): each adds only the time its end passes the latest end
+    before it; a kernel inside another's span adds nothing, idle time is nobody's."""
+    from benchmarks.graph_count import critical_path, one_step
+
+    step = [(0.0, 4.0, "stage"), (10.0, 16.0, "gemv"), (12.0, 20.0, "attn"), (13.0, 15.0, "tiny")]
+    kernels = step + [(s + 100, e + 100, n) for s, e, n in step]  # two steps
+    rows = {r["name"]: r for r in critical_path(kernels, steps=2)}
+    assert rows["stage"]["critical_us_per_step"] == 4.0
+    assert rows["gemv"]["critical_us_per_step"] == 6.0  # the idle 4..10 is not counted
+    assert rows["attn"]["critical_us_per_step"] == 4.0  # 16..20; its 12..16 wait is not
+    assert rows["attn"]["us_per_step"] == 8.0
+    assert rows["tiny"]["critical_us_per_step"] == 0.0
+    span, idle = 20.0, 6.0
+    assert sum(r["critical_us_per_step"] for r in rows.values()) == span - idle
+    assert [r["name"] for r in critical_path(kernels, 2)][:2] == ["gemv", "stage"]
+    middle = one_step(kernels, steps=2)
+    assert [r["name"] for r in middle] == ["stage", "gemv", "attn", "tiny"]
+    assert middle[0]["start_us"] == 0.0 and middle[2]["end_us"] == 20.0
+    assert [r["adds_us"] for r in middle] == [4.0, 6.0, 4.0, 0.0]
+    assert one_step(kernels[:-1], steps=2) == []  # steps of unequal kernel counts
+
+
 @pytest.mark.gpu
 def test_graph_count_probe_on_the_gpu(tmp_path):
     """The probe's CUDA path: a FULL engine, dummy graphs, kernels and gaps profiled."""
@@ -151,6 +174,10 @@ def test_graph_count_probe_on_the_gpu(tmp_path):
     entry = json.loads(out.read_text())["by_batch"]["1"]
     assert entry["median_ms"] > 0 and entry["kernels"] and entry["gaps"]
     assert all(r["per_step"] > 0 for r in entry["kernels"])
+    critical = sum(r["critical_us_per_step"] for r in entry["critical"])
+    assert 0 < critical <= sum(r["us_per_step"] for r in entry["kernels"]) + 1e-6
+    # one step's kernels, where every profiled step had the same count (else none)
+    assert {r["name"] for r in entry["one_step"]} <= {r["name"] for r in entry["kernels"]}
 
 
 @pytest.mark.gpu
@@ -231,6 +258,29 @@ sys.exit(3)
     assert [e["where"] for e in data["errors"]] == ["engine:eager", "baselines"]
 
 
+def test_a_trace_stopped_by_the_timeout_says_how_long_it_ran(tmp_path, monkeypatch):
+    """The baselines' process saves its trace row as running before the trace; when the
+    process is then killed at --config-timeout, the row says so and how long it had run."""
+    body = """import json, sys, time
+spec = json.loads(sys.argv[sys.argv.index("--config-child") + 1])
+out = sys.argv[sys.argv.index("--out") + 1]
+if spec["job"] == "baselines":
+    row = {"label": "baseline", "status": "running", "began_s": 0.0}
+    json.dump({"meta": {}, "errors": [], "trace": {"baseline": row}}, open(out, "w"))
+    time.sleep(60)
+"""
+    monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, body))
+    out = tmp_path / "decode.json"
+    args = [*QUICK, "--parts", "trace", "--modes", "eager", "--baselines", "reduce-overhead"]
+    assert decode.main([*args, "--isolate", "--config-timeout", "1", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["trace"]["baseline"]
+    status = "unavailable: no answer within --config-timeout 1 s: stopped "
+    assert row["status"].startswith(status) and row["status"].endswith(
+        " s into the trace, before it ended"
+    )
+    assert row["ran_s"] >= 1.0
+
+
 def test_baselines_run_the_trace_last(tmp_path, monkeypatch):
     """The reduce-overhead trace, whose first step overruns any budget, runs after every
     latency baseline, so a time limit cuts it rather than torch.compile's row."""
@@ -244,7 +294,10 @@ def test_baselines_run_the_trace_last(tmp_path, monkeypatch):
     monkeypatch.setattr(
         decode,
         "baseline_trace_entry",
-        lambda base, s, rng, deadline, res: calls.append("trace") or {"label": "trace"},
+        # the row is saved as running before the trace starts
+        lambda base, s, rng, deadline, res: (
+            calls.append(res.data["trace"]["baseline"]["status"]) or {"label": "trace"}
+        ),
     )
     s = decode.settings_from_args(
         decode.parse_args(
@@ -253,4 +306,5 @@ def test_baselines_run_the_trace_last(tmp_path, monkeypatch):
     )
     res = decode.Results(tmp_path / "out.json", {})
     decode.run_baselines(None, s, res, decode.Deadline(60.0, 0.0))
-    assert calls == ["eager", "reduce-overhead", "compile", "trace"]
+    assert calls == ["eager", "reduce-overhead", "compile", decode.RUNNING]
+    assert res.data["trace"]["baseline"] == {"label": "trace"}
