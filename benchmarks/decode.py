@@ -1124,13 +1124,13 @@ def run_baselines(model, s: Settings, res: Results, deadline: Deadline) -> None:
 RUNNING = "running"  # a trace row's status while it runs (run_baselines)
 
 
-def stopped_while_running(res: Results, status: str, now_s: float) -> bool:
+def stopped_while_running(res: Results, status: str, now_s: float) -> None:
     """Replace a baseline trace row left ``RUNNING`` by a process stopped from outside with
     ``status`` and how long the trace had run (``now_s``: seconds since the run began, as the
-    row's ``began_s``); whether there was one."""
+    row's ``began_s``)."""
     row = res.data.get("trace", {}).get("baseline")
     if not row or row.get("status") != RUNNING:
-        return False
+        return
     ran = now_s - row["began_s"]
     res.put(
         "trace",
@@ -1141,7 +1141,6 @@ def stopped_while_running(res: Results, status: str, now_s: float) -> bool:
             "ran_s": ran,
         },
     )
-    return True
 
 
 def baseline_trace_entry(base, s: Settings, rng, deadline: Deadline, res: Results) -> dict:

@@ -159,20 +159,26 @@ def per_step(times: dict[str, list[float]]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def critical_path(kernels: list[tuple[float, float, str]], steps: int) -> list[dict]:
-    """What each kernel adds to the step's span, by name, per step: the time by which its end
-    passes the latest end of the kernels before it (in start order), counting only time after
-    its own start. Under PDL a kernel starts early and waits, so its duration includes the
-    kernels before it; this does not. Summed over the kernels it is the span less the idle
-    time. Rows sorted by that time (us_per_step is the plain duration, for comparison)."""
-    added, took, count = defaultdict(float), defaultdict(float), defaultdict(int)
+def _additions(kernels: list[tuple[float, float, str]]):
+    """(start, end, name, added) per kernel in start order: ``added`` is how far its end
+    passes the latest end of the kernels before it, counting only time after its own start."""
     latest = None
     for start, end, name in kernels:
         floor = start if latest is None else max(latest, start)
-        added[name] += max(0.0, end - floor)
+        yield start, end, name, max(0.0, end - floor)
+        latest = end if latest is None else max(latest, end)
+
+
+def critical_path(kernels: list[tuple[float, float, str]], steps: int) -> list[dict]:
+    """What each kernel adds to the step's span, by name, per step (``_additions``). Under
+    PDL a kernel starts early and waits, so its duration includes the kernels before it;
+    this does not. Summed over the kernels it is the span less the idle time. Rows sorted by
+    that time (us_per_step is the plain duration, for comparison)."""
+    added, took, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    for start, end, name, adds in _additions(kernels):
+        added[name] += adds
         took[name] += end - start
         count[name] += 1
-        latest = end if latest is None else max(latest, end)
     rows = [
         {
             "name": name,
@@ -187,24 +193,17 @@ def critical_path(kernels: list[tuple[float, float, str]], steps: int) -> list[d
 
 def one_step(kernels: list[tuple[float, float, str]], steps: int) -> list[dict]:
     """The kernels of the middle profiled step, times from its first kernel's start (us):
-    start, end and what each adds to the span (``critical_path``). Empty unless the
-    profile holds the same number of kernels in every step."""
+    start, end and what each adds to the span (``_additions``). Empty unless the profile
+    holds the same number of kernels in every step."""
     if not kernels or len(kernels) % steps:
         return []
     n = len(kernels) // steps
     step = kernels[n * (steps // 2) : n * (steps // 2 + 1)]
-    t0, latest, rows = step[0][0], step[0][0], []
-    for start, end, name in step:
-        rows.append(
-            {
-                "name": name,
-                "start_us": start - t0,
-                "end_us": end - t0,
-                "adds_us": max(0.0, end - max(latest, start)),
-            }
-        )
-        latest = max(latest, end)
-    return rows
+    t0 = step[0][0]
+    return [
+        {"name": name, "start_us": start - t0, "end_us": end - t0, "adds_us": adds}
+        for start, end, name, adds in _additions(step)
+    ]
 
 
 def capture_dummy_graphs(n: int) -> list[torch.cuda.CUDAGraph]:
