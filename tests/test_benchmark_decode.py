@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -308,3 +309,33 @@ def test_baselines_run_the_trace_last(tmp_path, monkeypatch):
     decode.run_baselines(None, s, res, decode.Deadline(60.0, 0.0))
     assert calls == ["eager", "reduce-overhead", "compile", decode.RUNNING]
     assert res.data["trace"]["baseline"] == {"label": "trace"}
+
+
+def test_phase_timers_time_the_graph_replay_inside_the_forward_and_restore_it():
+    """The host part times CUDAGraph.replay (the driver's launch) within the forward phase,
+    puts it back afterwards, and the table shows it beside the forward without summing it
+    into "other"."""
+    import torch
+
+    class Runner:
+        def prepare_inputs(self):
+            return "prepared"
+
+    original = torch.cuda.CUDAGraph.__dict__["replay"]
+    runner = Runner()
+    with decode.phase_timers(runner) as times:
+        assert torch.cuda.CUDAGraph.__dict__["replay"] is not original
+        assert runner.prepare_inputs() == "prepared"
+        with pytest.raises((TypeError, AttributeError)):  # not a graph; the call is timed
+            torch.cuda.CUDAGraph.replay(object())
+    assert torch.cuda.CUDAGraph.__dict__["replay"] is original
+    assert "prepare_inputs" not in runner.__dict__
+    assert len(times["prepare_inputs"]) == 1 and len(times[decode.NESTED_PHASE]) == 1
+
+    phases = {"check_batch": 1.0, "forward": 50.0, decode.NESTED_PHASE: 42.5, "other": 3.0}
+    entry = {"step_us": {"median": 60.0}, "phases_us": phases, "stats": {}}
+    data = {"host": {"graphattn": {"label": "x", "by_requests": {"256": entry}}}}
+    header, row = decode.table_host(data)[1:3]
+    columns, cells = (re.split(r"\s{2,}", line.strip()) for line in (header, row))
+    assert "(replay)" in columns
+    assert cells[columns.index("forward") + 1] == "42.5"  # the replay column follows forward
