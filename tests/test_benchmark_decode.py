@@ -339,3 +339,41 @@ def test_phase_timers_time_the_graph_replay_inside_the_forward_and_restore_it():
     columns, cells = (re.split(r"\s{2,}", line.strip()) for line in (header, row))
     assert "(replay)" in columns
     assert cells[columns.index("forward") + 1] == "42.5"  # the replay column follows forward
+
+
+def test_the_profiled_steps_run_after_every_other_part_of_the_engine(tmp_path, monkeypatch):
+    """A torch.profiler session leaves the process's later CUDA calls slower, so the
+    latency part's kernel profile runs last in its engine's process, and its kernels land
+    in the latency entry as stored."""
+    calls = []
+
+    def part(name):
+        def run(engine, pool, s, rng):
+            calls.append(name)
+            by_batch = {str(b): {"median_ms": 1.0} for b in s.batch_sizes}
+            return {"by_batch": by_batch} if name == "latency" else {}
+
+        return run
+
+    def profile(engine, pool, s, rng, res, latency):
+        calls.append("profile")
+        latency["by_batch"]["1"]["kernels"] = {"kernels_per_step": 3.0}
+
+    monkeypatch.setattr(decode, "GRAPHATTN_PARTS", {p: part(p) for p in ("latency", "host")})
+    monkeypatch.setattr(decode, "profile_first_batch", profile)
+    s = decode.settings_from_args(decode.parse_args([*QUICK, "--batch-sizes", "1,2"]))
+    res = decode.Results(tmp_path / "decode.json", {})
+    model = decode.build_model(s)
+    decode.run_graphattn(model, "eager", ["latency", "host"], s, res, str(tmp_path / "cache"))
+    assert calls == ["latency", "host", "profile"]
+    saved = json.loads((tmp_path / "decode.json").read_text())
+    assert saved["latency"]["rows"][0]["by_batch"]["1"]["kernels"] == {"kernels_per_step": 3.0}
+
+
+def test_no_profile_without_cuda_graphs(tmp_path):
+    """Off CUDA (or without graphs) the latency entry gets no kernel profile."""
+    s = decode.settings_from_args(decode.parse_args([*QUICK, "--batch-sizes", "1"]))
+    res = decode.Results(tmp_path / "decode.json", {})
+    latency = {"label": "x", "by_batch": {"1": {"median_ms": 1.0}}}
+    decode.profile_first_batch(None, None, s, None, res, latency)
+    assert "kernels" not in latency["by_batch"]["1"] and res.data["errors"] == []
