@@ -15,8 +15,10 @@ parameters no kernel writes.
 
 Opt-in, because it measured no gain: on an H200 (docs/performance.md, round 13) the
 Llama-3.2-1B-shaped decode step at one token took 0.823 ms without it, 0.823 / 0.818 ms with
-8 / 16 MiB (within the spread) and 0.854 ms with 32. Whether the lines survive in L2 until
-gate_up reads them, and what the traffic does to attention's loads, was not measured.
+8 / 16 MiB (within the spread) and 0.854 ms with 32. Round 17's probe
+(``benchmarks/l2_prefetch.py``) found why: on the H200 such prefetches ahead of a streaming
+read of a 64 MiB weight changed it by at most 0.26 us at 8-32 MiB, and even plain loads of
+those lines saved only a fifth of what reading them from L2 for free would.
 ``GRAPHATTN_PREFETCH_MIB`` (default 16) sets the amount. Each program asks for at most ``MAX_PREFETCH_LINES`` lines
 (``kernels/gemv.py``), so a GEMV of few programs asks for less: o_proj of the Llama-3.2-1B
 shape (512 programs) asks for up to 64 MiB.
