@@ -706,9 +706,10 @@ def graphattn_latency(engine, pool, s: Settings, rng) -> dict:
 def profile_first_batch(engine, pool, s: Settings, rng, res: Results, latency: dict) -> None:
     """On CUDA with graphs, the first batch size's kernels (``kernel_summary``) into the
     latency entry, as ``by_batch[B]["kernels"]``. Run after every other part of the engine's
-    process: after a torch.profiler session the process's CUDA calls stay slower (on the
-    H200 a FULL step's graph launch took 57-74 us of host time after one, 7-10 us before it,
-    round 17), which the host part and the host-bound steps of the traces would count.
+    process: after a torch.profiler session the process's graph launches stay slower (on
+    the H200 a FULL step's launch took 62-100 us of host time after one, 19-34 us before
+    it in the same process, round 17), which the host part and the host-bound steps of the
+    traces would count.
     """
     b = s.batch_sizes[0]
     row = (latency.get("by_batch") or {}).get(str(b)) or {}
