@@ -1926,6 +1926,7 @@ def table_host(data: dict) -> list[str]:
             [
                 n,
                 _f(r["step_us"]["median"], ".1f"),
+                _spread(r["step_us"]),
                 _f((r.get("step_cloned_us") or {}).get("median"), ".1f"),
                 *[_f(p.get(k), ".1f") for k in HOST_COLUMNS],
                 _f(r.get("from_arrays_us"), ".1f"),
@@ -1933,10 +1934,17 @@ def table_host(data: dict) -> list[str]:
                 ",".join(modes),
             ]
         )
-    header = ["requests", "step", "step, clone", "check", "prepare", "common md", "build md"]
-    header += ["forward", "(replay)", "restore"]
+    header = ["requests", "step", "p10-p90", "step, clone", "check", "prepare", "common md"]
+    header += ["build md", "forward", "(replay)", "restore"]
     header += ["other", "from_arrays", "from_requests", "runtime mode"]
     return lines + _rows_table(header, rows)
+
+
+def _spread(summary: dict) -> str:
+    """A timing's p10-p90 range (a host whose speed changes mid-run shows here)."""
+    if summary.get("p10") is None or summary.get("p90") is None:
+        return "-"
+    return f"{summary['p10']:.1f}-{summary['p90']:.1f}"
 
 
 def table_floor(data: dict) -> list[str]:

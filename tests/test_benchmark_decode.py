@@ -333,12 +333,14 @@ def test_phase_timers_time_the_graph_replay_inside_the_forward_and_restore_it():
     assert len(times["prepare_inputs"]) == 1 and len(times[decode.NESTED_PHASE]) == 1
 
     phases = {"check_batch": 1.0, "forward": 50.0, decode.NESTED_PHASE: 42.5, "other": 3.0}
-    entry = {"step_us": {"median": 60.0}, "phases_us": phases, "stats": {}}
+    step = {"median": 60.0, "p10": 55.25, "p90": 71.5}
+    entry = {"step_us": step, "phases_us": phases, "stats": {}}
     data = {"host": {"graphattn": {"label": "x", "by_requests": {"256": entry}}}}
     header, row = decode.table_host(data)[1:3]
     columns, cells = (re.split(r"\s{2,}", line.strip()) for line in (header, row))
     assert "(replay)" in columns
     assert cells[columns.index("forward") + 1] == "42.5"  # the replay column follows forward
+    assert cells[columns.index("p10-p90")] == "55.2-71.5"  # the steps' spread beside the median
 
 
 def test_the_profiled_steps_run_after_every_other_part_of_the_engine(tmp_path, monkeypatch):
