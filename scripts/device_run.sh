@@ -3,7 +3,8 @@
 # under $OUT. Parts: tests (pytest -m gpu), attention (benchmarks/attention.py),
 # decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py), splits
 # (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
-# pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py), demo. Extra pytest/benchmark arguments come from
+# pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py), nodes
+# (benchmarks/graph_nodes.py, GA_NODES_BATCHES), demo. Extra pytest/benchmark arguments come from
 # GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail
@@ -42,6 +43,9 @@ for part in "$@"; do
              | tee "$OUT/fused_ops.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     l2) python3 benchmarks/l2_prefetch.py --out "$OUT/l2_prefetch.json" 2>&1 \
              | tee "$OUT/l2_prefetch.log" | tail -30; rc=${PIPESTATUS[0]} ;;
+    nodes) python3 benchmarks/graph_nodes.py --batches "${GA_NODES_BATCHES:-1,32}" \
+             --out "$OUT/graph_nodes.json" 2>&1 | grep -v "^USDT" \
+             | tee "$OUT/graph_nodes.log" | tail -80; rc=${PIPESTATUS[0]} ;;
     demo) python3 -m graphattn demo 2>&1 | tee "$OUT/demo.log" | tail -30; rc=${PIPESTATUS[0]} ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac
