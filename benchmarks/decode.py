@@ -34,7 +34,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +45,7 @@ import torch
 
 import graphattn as ga
 from graphattn.envs import prefetch_mib
-from graphattn.kernels.attention_plan import MERGE_ENV, describe_merge
+from graphattn.kernels.attention_plan import describe_merge
 from graphattn.kernels.pdl import use_pdl
 from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
 
@@ -56,8 +56,9 @@ if str(ROOT) not in sys.path:
 from benchmarks.baseline import StaticLlama  # noqa: E402
 
 PARTS = ("floor", "latency", "trace", "mixed", "host", "startup")
-# graphattn's environment variables that change what a step runs, recorded in meta.env
-RUN_VARIABLES = ("GRAPHATTN_PDL", "GRAPHATTN_PREFETCH_MIB", MERGE_ENV, "GRAPHATTN_INPUT_STAGING")
+# graphattn's environment variables that say where a run keeps its files, not what a step
+# runs: every other GRAPHATTN_ variable set is recorded in meta.env (run_variables)
+PLACE_VARIABLES = ("GRAPHATTN_CACHE_DIR",)
 BASELINES = ("eager", "compile", "reduce-overhead")
 BLOCK_SIZE = 16
 STEP_DEFINITION = (
@@ -266,6 +267,17 @@ def log(message: str) -> None:
 
 
 # -- timing -----------------------------------------------------------------------------
+
+
+def run_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """Every ``GRAPHATTN_`` variable set but the ones that only place files: the documented
+    ones (envs.py, kernels/pdl.py, kernels/attention_plan.py) and any an experiment adds, so
+    an A/B run's JSON says what each process ran with."""
+    return {
+        k: v
+        for k, v in sorted(environ.items())
+        if k.startswith("GRAPHATTN_") and k not in PLACE_VARIABLES
+    }
 
 
 def synchronize(device: str) -> None:
@@ -1580,9 +1592,8 @@ def run_meta(s: Settings) -> dict:
         "source_sha256": _source_digest(),
         # programmatic dependent launch in graphattn's kernels (kernels/pdl.py; GRAPHATTN_PDL)
         "pdl": use_pdl(torch.device(s.device)),
-        # graphattn's variables that change what runs (envs.py, kernels/pdl.py,
-        # kernels/attention_plan.py), where set
-        "env": {k: os.environ[k] for k in RUN_VARIABLES if k in os.environ},
+        # graphattn's variables that may change what runs, where set (run_variables)
+        "env": run_variables(os.environ),
         # what the opt-in prefetch_next_weight pass asks for, set or not (envs.py)
         "prefetch_mib": prefetch_mib(),
         # where split-KV results merge: in the attention launch or a reduction kernel

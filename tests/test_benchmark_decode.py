@@ -379,3 +379,13 @@ def test_no_profile_without_cuda_graphs(tmp_path):
     latency = {"label": "x", "by_batch": {"1": {"median_ms": 1.0}}}
     decode.profile_first_batch(None, None, s, None, res, latency)
     assert "kernels" not in latency["by_batch"]["1"] and res.data["errors"] == []
+
+
+def test_meta_env_records_every_graphattn_variable_but_the_cache_folder():
+    environ = {
+        "GRAPHATTN_PDL": "0",
+        "GRAPHATTN_SOME_EXPERIMENT": "1",  # one an A/B adds, not in any list
+        "GRAPHATTN_CACHE_DIR": "/tmp/cache",
+        "PATH": "/usr/bin",
+    }
+    assert decode.run_variables(environ) == {"GRAPHATTN_PDL": "0", "GRAPHATTN_SOME_EXPERIMENT": "1"}
