@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import pstats
+import re
 import shutil
 import signal
 import statistics
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -680,25 +681,49 @@ def device_kernels(step: Callable[[int], Any], first: int, steps: int) -> list[t
 
 
 def kernel_summary(engine, pool, b: int, rng) -> dict:
-    """Per step of ``b`` requests, over PROFILED_STEPS profiled steps: the kernels, their
-    summed time, the idle time between consecutive kernels, and how many start before the
-    one before has ended (programmatic dependent launch at work). A process whose step is
-    slower shows here whether its kernels or the gaps between them took the time."""
+    """Per step of ``b`` requests, over PROFILED_STEPS profiled steps: ``summarize_kernels``.
+    A process whose step is slower shows here whether its kernels or the gaps between them
+    took the time, and between which kernels the gaps are."""
     n = PROFILED_STEPS
     tokens = random_tokens(rng, engine.model.vocab_size, (n + 5, b))
     step = graphattn_decode(engine, pool, slice(0, b), tokens)
     for i in range(5):
         step(i)
-    kernels = device_kernels(step, 5, n)
+    return summarize_kernels(device_kernels(step, 5, n), n)
+
+
+LARGEST_GAPS = 5
+
+
+def summarize_kernels(kernels: list[tuple[float, float, str]], steps: int) -> dict:
+    """``kernels`` (start us, end us, name) in start order over ``steps`` steps, per step:
+    their count and summed time, the idle time between consecutive kernels, how many start
+    before the one before has ended (programmatic dependent launch at work), the span, and
+    the LARGEST_GAPS pairs of consecutive kernels (by name) with the most idle time between
+    them."""
     gaps = [nxt[0] - cur[1] for cur, nxt in itertools.pairwise(kernels)]
+    by_pair: dict[str, list[float]] = defaultdict(list)
+    for (cur, nxt), gap in zip(itertools.pairwise(kernels), gaps, strict=True):
+        if gap > 0:
+            by_pair[f"{_short_name(cur[2])} -> {_short_name(nxt[2])}"].append(gap)
+    largest = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:LARGEST_GAPS]
     return {
-        "steps": n,
-        "kernels_per_step": len(kernels) / n,
-        "kernel_us_per_step": sum(end - start for start, end, _ in kernels) / n,
-        "idle_us_per_step": sum(g for g in gaps if g > 0) / n,
-        "overlapping_per_step": sum(g < 0 for g in gaps) / n,
-        "span_us_per_step": (kernels[-1][1] - kernels[0][0]) / n if kernels else 0.0,
+        "steps": steps,
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_us_per_step": sum(end - start for start, end, _ in kernels) / steps,
+        "idle_us_per_step": sum(g for g in gaps if g > 0) / steps,
+        "overlapping_per_step": sum(g < 0 for g in gaps) / steps,
+        "span_us_per_step": (kernels[-1][1] - kernels[0][0]) / steps if kernels else 0.0,
+        "largest_gaps": [
+            {"between": pair, "us_per_step": sum(v) / steps, "per_step": len(v) / steps}
+            for pair, v in largest
+        ],
     }
+
+
+def _short_name(kernel: str) -> str:
+    """A kernel's name without template arguments, at most 40 characters."""
+    return re.sub(r"<.*>", "<>", kernel)[:40]
 
 
 def graphattn_latency(engine, pool, s: Settings, rng) -> dict:
@@ -1768,6 +1793,11 @@ def kernel_lines(rows: list[dict], sizes: list[str]) -> list[str]:
                     f"{k['overlapping_per_step']:.0f} started before the one before ended, "
                     f"first start to last end {k['span_us_per_step']:.1f} us"
                 )
+                for g in k.get("largest_gaps", [])[:3]:
+                    lines.append(
+                        f"    idle {g['us_per_step']:.1f} us a step ({g['per_step']:.0f}x) "
+                        f"between {g['between']}"
+                    )
     return lines
 
 

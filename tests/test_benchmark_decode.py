@@ -389,3 +389,31 @@ def test_meta_env_records_every_graphattn_variable_but_the_cache_folder():
         "PATH": "/usr/bin",
     }
     assert decode.run_variables(environ) == {"GRAPHATTN_PDL": "0", "GRAPHATTN_SOME_EXPERIMENT": "1"}
+
+
+def test_kernel_summary_names_where_the_idle_time_is():
+    """Two steps of three kernels: an 8 us gap after the staging kernel each step, a 2 us
+    gap between the steps, one PDL overlap a step (the attention starts before qkv ends)."""
+    kernels = []
+    for t in (0.0, 100.0):
+        kernels += [
+            (t, t + 4, "_stage_kernel"),
+            (t + 12, t + 50, "_prologue_gemv_kernel"),
+            (t + 40, t + 98, "void at::native::reduce_kernel<512, 1, ReduceOp<float>>"),
+        ]
+    s = decode.summarize_kernels(kernels, 2)
+    assert s["kernels_per_step"] == 3 and s["overlapping_per_step"] == 1
+    assert s["idle_us_per_step"] == (8 * 2 + 2) / 2
+    assert s["span_us_per_step"] == 198 / 2
+    first, second = s["largest_gaps"]
+    assert first == {
+        "between": "_stage_kernel -> _prologue_gemv_kernel",
+        "us_per_step": 8.0,
+        "per_step": 1.0,
+    }
+    assert second["between"] == "void at::native::reduce_kernel<> -> _stage_kernel"
+    assert second["us_per_step"] == 1.0 and second["per_step"] == 0.5
+    table = decode.kernel_lines(
+        [{"label": "graphattn FULL", "by_batch": {"1": {"kernels": s}}}], ["1"]
+    )
+    assert "idle 8.0 us a step (1x) between _stage_kernel -> _prologue_gemv_kernel" in table[1]
