@@ -701,9 +701,10 @@ def summarize_kernels(kernels: list[tuple[float, float, str]], steps: int) -> di
     before the one before has ended (programmatic dependent launch at work), the span, and
     the LARGEST_GAPS pairs of consecutive kernels (by name) with the most idle time between
     them."""
-    gaps = [nxt[0] - cur[1] for cur, nxt in itertools.pairwise(kernels)]
+    pairs = list(itertools.pairwise(kernels))
+    gaps = [nxt[0] - cur[1] for cur, nxt in pairs]
     by_pair: dict[str, list[float]] = defaultdict(list)
-    for (cur, nxt), gap in zip(itertools.pairwise(kernels), gaps, strict=True):
+    for (cur, nxt), gap in zip(pairs, gaps, strict=True):
         if gap > 0:
             by_pair[f"{_short_name(cur[2])} -> {_short_name(nxt[2])}"].append(gap)
     largest = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:LARGEST_GAPS]
@@ -1795,7 +1796,7 @@ def kernel_lines(rows: list[dict], sizes: list[str]) -> list[str]:
                 )
                 for g in k.get("largest_gaps", [])[:3]:
                     lines.append(
-                        f"    idle {g['us_per_step']:.1f} us a step ({g['per_step']:.0f}x) "
+                        f"    idle {g['us_per_step']:.1f} us a step ({g['per_step']:.1f}x) "
                         f"between {g['between']}"
                     )
     return lines

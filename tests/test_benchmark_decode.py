@@ -416,4 +416,4 @@ def test_kernel_summary_names_where_the_idle_time_is():
     table = decode.kernel_lines(
         [{"label": "graphattn FULL", "by_batch": {"1": {"kernels": s}}}], ["1"]
     )
-    assert "idle 8.0 us a step (1x) between _stage_kernel -> _prologue_gemv_kernel" in table[1]
+    assert "idle 8.0 us a step (1.0x) between _stage_kernel -> _prologue_gemv_kernel" in table[1]
