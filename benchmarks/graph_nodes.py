@@ -10,6 +10,7 @@ kernel's name and launch shape, and each edge's type (default, programmatic, lau
 completion), with the nodes in dependency order.
 
     python benchmarks/graph_nodes.py --batches 1,32 --out $OUT/graph_nodes.json --dot $OUT
+    python benchmarks/graph_nodes.py --import my_backends --attention-backend MY_BACKEND
 
 docs/performance.md (round 18) has what it found in the batch-1 FULL graph.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import json
 import sys
 from collections import Counter, defaultdict
@@ -203,6 +205,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--mode", default="FULL", help="the engine (a graphattn mode with full graphs)")
     p.add_argument("--batches", default="1", help="decode sizes whose full graphs are read")
+    p.add_argument("--attention-backend", help="the engine's backend (default: the benchmark's)")
+    p.add_argument(
+        "--import",
+        dest="modules",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (one that registers a backend); repeatable",
+    )
     p.add_argument("--head", type=int, default=12, help="nodes printed from the start")
     p.add_argument("--tail", type=int, default=4, help="and from the end")
     p.add_argument("--dot", help="folder for each graph's cuGraphDebugDotPrint file")
@@ -212,6 +223,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    for module in a.modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            print(f"--import {module}: {e}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("graph_nodes.py reads CUDA graphs: no CUDA device here", file=sys.stderr)
         return 2
@@ -220,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
     batches = [int(b) for b in a.batches.split(",")]
     args = ["--parts", "latency", "--baselines", "", "--batch-sizes", a.batches, "--modes", a.mode]
+    if a.attention_backend:
+        args += ["--attention-backend", a.attention_backend]
     s = D.settings_from_args(D.parse_args(args))
     model = D.build_model(s)
     with graphs_kept():

@@ -75,6 +75,16 @@ def test_graphs_kept_asks_for_the_topology_and_restores_the_class(monkeypatch):
     assert torch.cuda.CUDAGraph is Fake
 
 
+def test_import_runs_first_and_a_missing_module_is_named(capsys, monkeypatch):
+    assert G.main(["--import", "no_such_module_here"]) == 2
+    assert "--import no_such_module_here" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        pytest.skip("the rest needs main to stop for want of CUDA")
+    monkeypatch.delitem(sys.modules, "json.tool", raising=False)
+    assert G.main(["--import", "json.tool"]) == 2  # imported, then no CUDA device
+    assert "json.tool" in sys.modules
+
+
 def test_without_cuda_it_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
