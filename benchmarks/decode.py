@@ -318,11 +318,42 @@ def time_steps(step: Callable[[int], Any], warmup: int, steps: int, device: str)
     wall = time.perf_counter() - wall
     if events:
         per_step = [b.elapsed_time(e) for b, e in events]
-    return summarize_ms(per_step) | {
+    out = summarize_ms(per_step) | {
         "mean_ms": wall / steps * 1e3,
         "first_call_s": first_call_s,
         "warmup": warmup,
     }
+    clock = sm_clock_mhz(device)
+    if clock is not None:
+        out["sm_clock_mhz"] = clock
+    return out
+
+
+CLOCK_CYCLES = 2_000_000  # about 1 ms of spinning at an H200's clocks
+
+
+def sm_clock_mhz(device: str, repeats: int = 5) -> float | None:
+    """The SM clock now: a one-thread kernel that spins CLOCK_CYCLES cycles of its SM's
+    clock (``torch.cuda._sleep``), timed with CUDA events, the median of ``repeats`` after
+    one warm-up (``clock_mhz``; the launch adds microseconds to the millisecond, so it reads
+    a little low). Taken right after each batch's timed steps, so a process whose steps ran
+    slower shows whether its clock was lower. None off CUDA."""
+    if device != "cuda":
+        return None
+    times = []
+    for _ in range(repeats + 1):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(CLOCK_CYCLES)
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return clock_mhz(CLOCK_CYCLES, times[1:])
+
+
+def clock_mhz(cycles: int, elapsed_ms: list[float]) -> float:
+    """Cycles per microsecond over the median of ``elapsed_ms``."""
+    return cycles / (statistics.median(elapsed_ms) * 1e3)
 
 
 def summarize_ms(values: list[float]) -> dict[str, float]:
@@ -1775,7 +1806,25 @@ def table_latency(data: dict) -> list[str]:
         by = floor["floor_ms_by_batch"]
         rows.append(["floor (weights read + KV)", "-", "-", *[_f(by.get(b)) for b in sizes], ""])
     header = ["config", "mode", "attention", *[f"bs={b}" for b in sizes], "note"]
-    return lines + _rows_table(header, rows) + kernel_lines(lat.get("rows", []), sizes[:1])
+    return (
+        lines
+        + _rows_table(header, rows)
+        + kernel_lines(lat.get("rows", []), sizes[:1])
+        + clock_lines(lat.get("rows", []), sizes)
+    )
+
+
+def clock_lines(rows: list[dict], sizes: list[str]) -> list[str]:
+    """The SM clock read after each batch's timed steps (``sm_clock_mhz``), a line per row
+    that has any (CUDA only)."""
+    lines = []
+    for row in sorted(rows, key=row_order):
+        by = row.get("by_batch") or {}
+        clocks = [(by.get(b) or {}).get("sm_clock_mhz") for b in sizes]
+        if any(c is not None for c in clocks):
+            shown = " / ".join("-" if c is None else f"{c:.0f}" for c in clocks)
+            lines.append(f"  {row['label']}: SM clock after the timed steps {shown} MHz")
+    return lines
 
 
 def kernel_lines(rows: list[dict], sizes: list[str]) -> list[str]:

@@ -417,3 +417,15 @@ def test_kernel_summary_names_where_the_idle_time_is():
         [{"label": "graphattn FULL", "by_batch": {"1": {"kernels": s}}}], ["1"]
     )
     assert "idle 8.0 us a step (1.0x) between _stage_kernel -> _prologue_gemv_kernel" in table[1]
+
+
+def test_sm_clock_is_cycles_over_the_median_time_and_printed_per_row():
+    assert decode.clock_mhz(2_000_000, [1.0, 1.25, 1.0]) == 2000.0  # 2M cycles in 1 ms
+    assert decode.sm_clock_mhz("cpu") is None
+    rows = [
+        {"label": "graphattn FULL", "by_batch": {"1": {"sm_clock_mhz": 1980.4}, "8": {}}},
+        {"label": "baseline reduce-overhead", "by_batch": {"1": {"median_ms": 1.0}}},
+    ]
+    assert decode.clock_lines(rows, ["1", "8"]) == [
+        "  graphattn FULL: SM clock after the timed steps 1980 / - MHz"
+    ]
