@@ -193,6 +193,8 @@ def test_latency_profiles_the_first_batch_size_of_a_graph_engine(tmp_path):
     k = row["by_batch"]["1"]["kernels"]
     assert k["steps"] == decode.PROFILED_STEPS and k["kernels_per_step"] >= 5
     assert k["kernel_us_per_step"] > 0 and k["span_us_per_step"] > 0
+    assert all(" -> " in g["between"] and g["us_per_step"] > 0 for g in k["largest_gaps"])
+    assert 100 < row["by_batch"]["1"]["sm_clock_mhz"] < 5000  # MHz, read after the timed steps
     assert "kernels" not in row["by_batch"]["2"]
     assert any("per profiled step" in line for line in decode.table_latency(data))
 
