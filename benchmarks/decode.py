@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import pstats
-import re
 import shutil
 import signal
 import statistics
@@ -55,6 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # for benchmarks.baseline, also under runpy and subprocesses
 
 from benchmarks.baseline import StaticLlama  # noqa: E402
+from benchmarks.profile_decode import _short  # noqa: E402
 
 PARTS = ("floor", "latency", "trace", "mixed", "host", "startup")
 # graphattn's environment variables that say where a run keeps its files, not what a step
@@ -737,7 +737,7 @@ def summarize_kernels(kernels: list[tuple[float, float, str]], steps: int) -> di
     by_pair: dict[str, list[float]] = defaultdict(list)
     for (cur, nxt), gap in zip(pairs, gaps, strict=True):
         if gap > 0:
-            by_pair[f"{_short_name(cur[2])} -> {_short_name(nxt[2])}"].append(gap)
+            by_pair[f"{_short(cur[2])[:40]} -> {_short(nxt[2])[:40]}"].append(gap)
     largest = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:LARGEST_GAPS]
     return {
         "steps": steps,
@@ -751,11 +751,6 @@ def summarize_kernels(kernels: list[tuple[float, float, str]], steps: int) -> di
             for pair, v in largest
         ],
     }
-
-
-def _short_name(kernel: str) -> str:
-    """A kernel's name without template arguments, at most 40 characters."""
-    return re.sub(r"<.*>", "<>", kernel)[:40]
 
 
 def graphattn_latency(engine, pool, s: Settings, rng) -> dict:

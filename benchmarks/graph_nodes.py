@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import heapq
 import importlib
 import json
 import sys
@@ -131,16 +132,16 @@ def dependency_order(nodes: Sequence[int], edges: Sequence[tuple[int, int, int]]
     after = defaultdict(list)
     for src, dst, _ in edges:
         after[src].append(dst)
-    ready = sorted((n for n in nodes if not waiting[n]), key=position.get, reverse=True)
+    ready = [(position[n], n) for n in nodes if not waiting[n]]
+    heapq.heapify(ready)
     order = []
     while ready:
-        n = ready.pop()
+        _, n = heapq.heappop(ready)
         order.append(n)
         for m in after[n]:
             waiting[m] -= 1
             if not waiting[m]:
-                ready.append(m)
-        ready.sort(key=position.get, reverse=True)
+                heapq.heappush(ready, (position[m], m))
     if len(order) != len(nodes):
         raise ValueError(f"the edges hold a cycle: {len(nodes) - len(order)} nodes never ready")
     return order
