@@ -40,9 +40,9 @@ def check_batch(batch: Batch, limits: BatchLimits) -> int:
         raise InvalidBatchError(
             f"the batch has {t} tokens; max_num_tokens is {limits.max_num_tokens}"
         )
+    if t == r and _is_decode_layout(batch) and _all_equal(batch.query_lens, 1):
+        return _check_decode(batch, limits)  # every request decodes one token
     _check_shapes(batch)
-    if t == r and _is_decode_layout(batch):
-        return _check_decode(batch, limits)
     return _check_general(batch, limits)
 
 
@@ -79,22 +79,48 @@ def _is_decode_layout(batch: Batch) -> bool:
 
 
 def _check_decode(batch: Batch, limits: BatchLimits) -> int:
-    """``_check_general`` for a batch of one-token requests, in fewer numpy calls: a range
-    check ``0 <= x < n`` is one maximum of ``x`` read as unsigned (negatives become huge).
-    On any failure the general checks run and name the request.
+    """``_check_shapes`` and ``_check_general`` for a batch of one-token requests (every
+    query length 1), in fewer numpy calls: a range check ``0 <= x < n`` is one maximum of
+    ``x`` read as unsigned (negatives become huge), and where every request declares the
+    whole block table (the common layout) the blocks a request needs are one comparison of
+    the largest position with the table's width. On any failure the general checks run and
+    name the request.
     """
-    q, computed = batch.query_lens, batch.num_computed_tokens
-    last = int(_umax(computed))  # the largest position written; every query length is 1
-    if (
-        q.min() < 1  # with sum(q) == num_reqs (checked) every query length is then 1
-        or last >= limits.max_model_len
-        or (computed // limits.block_size >= batch.num_block_ids).any()
-    ):
+    computed, declared = batch.num_computed_tokens, batch.num_block_ids
+    width, block_size = batch.block_table.shape[1], limits.block_size
+    if computed.shape != (batch.num_reqs,) or declared.shape != (batch.num_reqs,):
+        _check_shapes(batch)  # raises
+    last = int(_umax(computed))  # the largest position written
+    if _all_equal(declared, width):
+        enough = last // block_size < width
+    else:  # the blocks each request needs, against what it declares and the table holds
+        enough = not (computed // block_size >= declared).any() and declared.max() <= width
+    if last >= limits.max_model_len or not enough:
+        _check_shapes(batch)
         return _check_general(batch, limits)
-    _check_block_ids(batch, last // limits.block_size + 1, limits.num_blocks)
+    _check_block_ids(batch, last // block_size + 1, limits.num_blocks)
     if limits.vocab_size is not None and _umax(batch.token_ids) >= limits.vocab_size:
         _explain_token_error(batch, limits.vocab_size)
     return last + 1
+
+
+def _all_equal(values: np.ndarray, value: int) -> bool:
+    """Every entry of ``values`` (a 1-D int array) is ``value``: one comparison of bytes,
+    about a third of one numpy reduction's fixed cost on arrays this small."""
+    data = values.tobytes()
+    key = (value, values.dtype.str)
+    filled = _FILLED.get(key)
+    if filled is None or len(filled) < len(data):
+        if len(_FILLED) >= _FILLED_KEYS:
+            _FILLED.clear()
+        filled = _FILLED[key] = np.full(max(values.size, 256), value, values.dtype).tobytes()
+    return data == filled[: len(data)]
+
+
+# (value, dtype) -> that value repeated, as bytes, for _all_equal: one entry per value checked
+# (1 for query lengths, the table's width for num_block_ids), grown to the largest batch seen
+_FILLED: dict[tuple[int, str], bytes] = {}
+_FILLED_KEYS = 64
 
 
 def _umax(values: np.ndarray) -> np.unsignedinteger:

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphattn as ga
-from graphattn.validation import BatchLimits, _check_decode, _check_general, check_batch
+from graphattn.validation import (
+    BatchLimits,
+    _all_equal,
+    _check_decode,
+    _check_general,
+    _check_shapes,
+    check_batch,
+)
 
 LIMITS = BatchLimits(
     max_num_seqs=8, max_num_tokens=8, max_model_len=64, block_size=16, num_blocks=10, vocab_size=50
@@ -49,6 +56,55 @@ def decode_batches(draw):
 @given(decode_batches())
 def test_decode_checks_match_the_general_checks(batch):
     assert _outcome(_check_decode, batch) == _outcome(_check_general, batch)
+
+
+def _checked_generally(batch: ga.Batch) -> str:
+    def general(batch, limits):
+        _check_shapes(batch)
+        return _check_general(batch, limits)
+
+    return _outcome(general, batch)
+
+
+@st.composite
+def one_token_a_request_batches(draw):
+    """``decode_batches`` whose query lengths sometimes are not all 1 (a 0 and a 2 keep the
+    token count): check_batch must send those to the general checks."""
+    batch = draw(decode_batches())
+    q = batch.query_lens.copy()
+    if len(q) > 1 and draw(st.booleans()):
+        i, j = draw(st.lists(st.integers(0, len(q) - 1), min_size=2, max_size=2, unique=True))
+        q[i], q[j] = 0, 2
+    return ga.Batch.from_arrays(
+        batch.token_ids, q, batch.num_computed_tokens, batch.block_table, batch.num_block_ids
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(one_token_a_request_batches())
+def test_check_batch_agrees_with_the_general_checks(batch):
+    assert _outcome(check_batch, batch) == _checked_generally(batch)
+
+
+def test_num_block_ids_wider_than_the_table_is_named_on_the_decode_path():
+    batch = _decode([3, 4], [[0], [1]], num_block_ids=[1, 2])
+    with pytest.raises(ga.InvalidBatchError, match="exceeds the block table's width 1"):
+        check_batch(batch, LIMITS)
+
+
+@pytest.mark.parametrize(
+    "values, value, expected",
+    [
+        (np.ones(5, np.int32), 1, True),
+        (np.array([1, 1, 0, 1], np.int32), 1, False),
+        (np.full(3, 7, np.int32), 7, True),
+        (np.full(3, 7, np.int32), 6, False),
+        (np.arange(10, dtype=np.int32)[::3] * 0 + 2, 2, True),  # not contiguous
+        (np.array([2, 2, 2**32 + 2], np.int64), 2, False),  # equal in the low 32 bits
+    ],
+)
+def test_all_equal(values, value, expected):
+    assert _all_equal(values, value) is expected
 
 
 def _decode(computed, table, tokens=None, num_block_ids=None):
