@@ -218,3 +218,12 @@ def compiled_without_interpreter(module: str, function: str):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_main_needs_cuda(main, capsys) -> None:
+    """A GPU-only benchmark's ``main([])`` on a machine without CUDA: exit code 2 and a
+    message saying so (skipped where a CUDA device is present)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    assert main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_main_needs_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -18,10 +19,7 @@ from benchmarks import graph_head  # noqa: E402
 
 
 def test_without_cuda_it_says_so(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is here")
-    assert graph_head.main([]) == 2
-    assert "no CUDA device" in capsys.readouterr().err
+    assert_main_needs_cuda(graph_head.main, capsys)
 
 
 @pytest.mark.gpu

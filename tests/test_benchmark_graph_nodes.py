@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_main_needs_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -86,10 +87,7 @@ def test_import_runs_first_and_a_missing_module_is_named(capsys, monkeypatch):
 
 
 def test_without_cuda_it_says_so(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is here")
-    assert G.main([]) == 2
-    assert "no CUDA device" in capsys.readouterr().err
+    assert_main_needs_cuda(G.main, capsys)
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compiled_without_interpreter
+from helpers import assert_main_needs_cuda, compiled_without_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -74,10 +74,7 @@ def test_the_heads_compile_for_hopper_with_their_instructions():
 
 
 def test_without_cuda_it_says_so(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is here")
-    assert l2_prefetch.main([]) == 2
-    assert "no CUDA device" in capsys.readouterr().err
+    assert_main_needs_cuda(l2_prefetch.main, capsys)
 
 
 @pytest.mark.gpu
