@@ -42,6 +42,23 @@ class StepPlan:
     metadata_as: tuple[CUDAGraphMode, Any] | None = None
 
 
+class _NoMetadataOnReplay(dict):
+    """The forward context's metadata on a FULL replay that skipped it: the graph holds every
+    attention launch, so nothing should look a layer up; anything that does gets told why.
+    """
+
+    def __missing__(self, layer_name: str) -> Any:
+        raise RuntimeError(
+            f"attention layer {layer_name!r} asked for metadata during a FULL replay, which "
+            "skips it because every builder declares full_replay_needs_build = False; an "
+            "attention op ran outside the graph (a builder whose build a replay needs must "
+            "leave full_replay_needs_build True)"
+        )
+
+
+_NO_METADATA_ON_REPLAY = _NoMetadataOnReplay()
+
+
 # (num_tokens, num_reqs, uniform_decode) -> runtime mode, padded key, fallback reason
 Planner = Callable[[int, int, bool], Dispatch]
 
@@ -88,6 +105,7 @@ class ModelRunner:
             if g.builder is not None and g.builder.reorder_batch_threshold is not None
         ]
         self.reorder_threshold = min(thresholds) if thresholds else None
+        self._builders = tuple(g.builder for g in self.attn_groups if g.builder is not None)
         self.layer_names = list(layers)
         self._arange = np.arange(max(limits.max_num_seqs, limits.max_num_tokens) + 1)
         self._view_cache: dict[tuple[int, int], tuple[dict[str, Any], list]] = {}
@@ -125,9 +143,16 @@ class ModelRunner:
         return self.restore_order(hidden, plan, clone=clone)
 
     def run(self, plan: StepPlan, *, capturing: bool = False) -> torch.Tensor:
-        """Metadata for the prepared buffers, then the model under the forward context."""
-        cams = self.common_metadata(plan)
-        attn_metadata = self.build_metadata(cams, capturing=capturing)
+        """Metadata for the prepared buffers, then the model under the forward context.
+
+        A FULL replay skips the metadata when no builder needs ``build`` on one
+        (``full_replay_needs_build``): the graph's launches were captured with it.
+        """
+        if plan.runtime_mode == CUDAGraphMode.FULL and not capturing and self.replays_skip_build:
+            attn_metadata: Any = _NO_METADATA_ON_REPLAY
+        else:
+            cams = self.common_metadata(plan)
+            attn_metadata = self.build_metadata(cams, capturing=capturing)
         shared, _ = self._views(plan.num_reqs_padded, plan.num_input_tokens)
         with set_forward_context(
             attn_metadata,
@@ -293,6 +318,13 @@ class ModelRunner:
         if plan.reordered:
             return out.index_select(0, self.buffers.output_index.gpu[:n])
         return out.clone() if clone else out
+
+    @property
+    def replays_skip_build(self) -> bool:
+        """Whether FULL replays run without metadata: no builder declares
+        ``full_replay_needs_build`` (read each step, so a changed class attribute counts).
+        """
+        return not any(b.full_replay_needs_build for b in self._builders)
 
     # -- capture ----------------------------------------------------------------------
 

@@ -348,9 +348,10 @@ def test_full_steps_queued_behind_a_busy_gpu_read_their_own_inputs(model, cache_
 
 
 def test_a_builder_using_device_inputs_gets_them_before_build(model, cache_dir, monkeypatch):
-    """What ``build`` sees on the device in a FULL step: the previous step's lengths when the
-    graph copies the inputs (the documented contract), this step's when the builder
-    declares uses_device_inputs_in_build, whose engine copies before build."""
+    """What ``build`` sees on the device in a FULL step: none when the builder declares that
+    replays need no build (TRITON's default); the previous step's lengths when the graph
+    copies the inputs (the documented contract), this step's when the builder declares
+    uses_device_inputs_in_build, whose engine copies before build."""
     from graphattn.attention.backends.triton_attn import TritonMetadataBuilder
 
     seen = []
@@ -370,11 +371,16 @@ def test_a_builder_using_device_inputs_gets_them_before_build(model, cache_dir, 
         assert eng.stats.runtime_modes["FULL"] == before + 1
         assert rel_err(out, out_ref) < 2e-2
         expected = torch.tensor([len(s.ids) for s in seqs], dtype=torch.int32)
-        return seen[0][: len(seqs)].cpu(), expected
+        return [lens[: len(seqs)].cpu() for lens in seen], expected
 
     ref, inside = _engines(model, cache_dir, "TRITON", M.FULL_AND_PIECEWISE)
     monkeypatch.setattr(TritonMetadataBuilder, "build", build_reading_seq_lens)
-    got, expected = full_step(inside, _decode_seqs(6, 400))
+    # TRITON's build only fills a Python object, so a FULL replay skips it...
+    assert inside.report.capture["metadata_on_full_replays"].startswith("skipped")
+    assert full_step(inside, _decode_seqs(6, 399))[0] == []  # no build ran
+    # ...and a builder doing device work in build must say a replay needs it
+    monkeypatch.setattr(TritonMetadataBuilder, "full_replay_needs_build", True)
+    (got,), expected = full_step(inside, _decode_seqs(6, 400))
     assert not torch.equal(got, expected)  # the prefill's lengths: the copy runs in the graph
 
     monkeypatch.setattr(TritonMetadataBuilder, "uses_device_inputs_in_build", True)
@@ -387,7 +393,10 @@ def test_a_builder_using_device_inputs_gets_them_before_build(model, cache_dir, 
         **LIMITS,
     )
     assert opted_out.report.capture["input_copies"] == "before each step"
+    assert opted_out.report.capture["metadata_on_full_replays"] == (
+        "built each step (TritonMetadataBuilder: full_replay_needs_build)"
+    )
     calls = _record_copies(opted_out, monkeypatch)
-    got, expected = full_step(opted_out, _decode_seqs(6, 401))
+    (got,), expected = full_step(opted_out, _decode_seqs(6, 401))
     assert torch.equal(got, expected)
     assert calls[-1] == (8, 8)  # the FULL step's own copy, at the key's padded size

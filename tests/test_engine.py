@@ -209,3 +209,47 @@ def test_restore_order_clones_graph_outputs_unless_told_not_to():
     gathered = eng.runner.restore_order(hidden, reordered, clone=False)
     assert torch.equal(gathered, hidden[order])
     assert gathered.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr()
+
+
+def test_full_replays_skip_the_metadata_only_when_no_builder_needs_it(monkeypatch):
+    """A FULL step builds each group's metadata unless every builder declares
+    ``full_replay_needs_build = False``; then no ``build`` runs, and a layer that looks its
+    metadata up anyway is told why. Captures build either way."""
+    from graphattn.attention.forward_context import get_forward_context
+    from graphattn.capture.dispatcher import BatchDescriptor, Dispatch
+
+    eng = eager_engine(TableAttentionModel(64, 4, 2, 64, seed=2), cudagraph_mode="NONE")
+    runner = eng.runner
+    builder_cls = type(runner.attn_groups[0].builder)
+    (layer,) = runner.layer_names
+    builds, seen = [], []
+    build = builder_cls.build
+
+    def counting_build(self, common_prefix_len, cam):
+        builds.append(cam.num_reqs)
+        return build(self, common_prefix_len, cam)
+
+    def forward(input_ids, positions):
+        seen.append(get_forward_context().attn_metadata)
+        return torch.zeros(input_ids.shape[0], 4)
+
+    monkeypatch.setattr(builder_cls, "build", counting_build)
+    monkeypatch.setattr(runner, "forward", forward)
+    key = BatchDescriptor(4, 4, True)
+    monkeypatch.setattr(runner, "planner", lambda t, r, u: Dispatch(ga.CUDAGraphMode.FULL, key))
+    seqs = make_seqs(np.random.default_rng(0), [(5, 1), (9, 1), (2, 1)], 64, 16, 64)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+
+    assert builder_cls.full_replay_needs_build  # TORCH_REF keeps the default
+    assert eng.runner.execute(batch).shape == (3, 4)
+    assert builds == [4] and seen[-1][layer] is not None
+
+    monkeypatch.setattr(builder_cls, "full_replay_needs_build", False)
+    assert eng.runner.execute(batch).shape == (3, 4)
+    assert builds == [4]
+    with pytest.raises(RuntimeError, match=f"{layer!r}.*full_replay_needs_build"):
+        seen[-1][layer]
+    assert eng.runner.stats.runtime_modes["FULL"] == 2
+
+    runner.run(runner.prepare_inputs(batch), capturing=True)
+    assert builds == [4, 4] and seen[-1][layer] is not None

@@ -120,6 +120,11 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     # step's values, writes would be copied over); such a builder makes the runner copy
     # them before ``build`` on every step instead.
     uses_device_inputs_in_build: ClassVar[bool] = False
+    # False when ``build`` only describes launches: it reads the ``cam`` it is given, returns
+    # a new metadata object and changes nothing else (no device work, no buffer written, no
+    # state a later step reads). A FULL replay holds the captured launches already, so when
+    # every group's builder says False the runner skips the metadata on FULL replays.
+    full_replay_needs_build: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -66,6 +66,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
     cudagraph_support = AttentionCGSupport.ALWAYS
     reorder_batch_threshold = 1  # decodes first like the other backends; the kernels need no order
+    # build fills a TritonMetadata from cam (the split count is a host-side cache): a FULL
+    # replay, whose launches were captured with the same sizes, never reads it
+    full_replay_needs_build = False
 
     def __init__(self, kv_cache_spec, layer_names, config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, config, device)
