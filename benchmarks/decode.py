@@ -929,11 +929,31 @@ def host_step_times(
     return out
 
 
+# The host part's sizes take turns over this many rounds: on the H200's leases the host
+# changed speed 2-3x between passes of 200 steps (round 20), and a size whose steps all ran
+# in one pass took whatever state that pass fell in.
+HOST_ROUNDS = 5
+
+
 def graphattn_host(engine, pool, s: Settings, rng) -> dict:
     """Host overhead per decode step at each request count (see ``method``)."""
+    vocab = engine.model.vocab_size
+    tokens = {n: random_tokens(rng, vocab, (s.host_iters + 20, n)) for n in s.host_sizes}
+    batches = {n: [pool.decode_batch(slice(0, n), t) for t in tokens[n]] for n in s.host_sizes}
+    runs = {n: _HostRuns() for n in s.host_sizes}
+    for n in s.host_sizes:
+        with stats_delta(engine) as delta:
+            host_step_times(engine, batches[n][:20], s.device)
+        runs[n].add_stats(delta)
+    for chunk in host_rounds(s.host_iters, HOST_ROUNDS):
+        for n in s.host_sizes:
+            runs[n].run(engine, [batches[n][20 + i] for i in chunk], s.device)
     by_size = {}
     for n in s.host_sizes:
-        by_size[str(n)] = host_at(engine, pool, n, s, rng)
+        by_size[str(n)] = runs[n].summary() | {
+            "from_arrays_us": time_batch_building(pool, tokens[n], n, arrays=True),
+            "from_requests_us": time_batch_building(pool, tokens[n], n, arrays=False),
+        }
     return {
         "by_requests": by_size,
         "method": "engine.step on decode batches prebuilt with Batch.from_arrays, timed with "
@@ -943,43 +963,83 @@ def graphattn_host(engine, pool, s: Settings, rng) -> dict:
         "kernels) without the GPU work, with clone=False as the latency steps run it "
         "(step_cloned_us: the same steps with the default clone=True, which copies a "
         "graph's output rows into a new tensor). Median of host_iters steps after 20 "
-        "warm-up. "
-        "Phases come from a second pass with timers wrapped around the runner's methods "
-        "and the check_batch call (other = step - phases: the copies-done wait, the "
-        "inference-mode guard, the stats and the timers' own calls); graph_replay, within "
-        "the forward phase, is CUDAGraph.replay alone (the driver's graph launch), where a "
-        "step replays one graph. "
+        f"warm-up. The sizes take turns over {HOST_ROUNDS} rounds, each running a share "
+        "of every size's steps three times (plain, cloned, phase-timed), so a host that "
+        "changes speed during the part weighs on every size alike; step_us_by_round: "
+        "each round's median of the plain steps. "
+        "Phases come from the phase-timed runs, with timers wrapped around the runner's "
+        "methods and the check_batch call (other = step - phases: the copies-done wait, "
+        "the inference-mode guard, the stats and the timers' own calls); graph_replay, "
+        "within the forward phase, is CUDAGraph.replay alone (the driver's graph launch), "
+        "where a step replays one graph. "
         "from_arrays/from_requests: the caller's batch building, timed apart.",
     }
 
 
-def host_at(engine, pool: RequestPool, n: int, s: Settings, rng) -> dict:
-    iters = s.host_iters
-    tokens = random_tokens(rng, engine.model.vocab_size, (iters + 20, n))
-    rows = slice(0, n)
-    batches = [pool.decode_batch(rows, t) for t in tokens]
-    with stats_delta(engine) as delta:
-        host_step_times(engine, batches[:20], s.device)
-        totals = host_step_times(engine, batches[20:], s.device)
-        cloned = host_step_times(engine, batches[20:], s.device, clone=True)
-        with phase_timers(engine.runner) as phases:
-            wrapped = host_step_times(engine, batches[20:], s.device)
-    out = {
-        "step_us": us_summary(totals),
-        "step_cloned_us": us_summary(cloned),
-        "stats": delta,
-        "phases_us": {},
-    }
-    for name, values in phases.items():
-        if len(values) == len(wrapped):  # one call a step (a replay per FULL step)
+def host_rounds(iters: int, rounds: int) -> list[range]:
+    """``range(iters)`` cut into at most ``rounds`` consecutive chunks of near-equal size."""
+    rounds = max(1, min(rounds, iters))
+    bounds = [iters * r // rounds for r in range(rounds + 1)]
+    return [range(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+
+class _HostRuns:
+    """One request count's host timings, gathered over the part's rounds."""
+
+    def __init__(self) -> None:
+        self.totals: list[float] = []
+        self.cloned: list[float] = []
+        self.wrapped: list[float] = []
+        self.phases: dict[str, list[float]] = {}
+        self.dropped: set[str] = set()  # phases not called once a step in some round
+        self.round_medians: list[float] = []
+        self.stats: dict = {}
+
+    def run(self, engine, batches: list[ga.Batch], device: str) -> None:
+        with stats_delta(engine) as delta:
+            totals = host_step_times(engine, batches, device)
+            self.cloned += host_step_times(engine, batches, device, clone=True)
+            with phase_timers(engine.runner) as phases:
+                wrapped = host_step_times(engine, batches, device)
+        self.add_stats(delta)
+        self.totals += totals
+        self.round_medians.append(statistics.median(totals) * 1e6)
+        for name, values in phases.items():
+            if len(values) == len(wrapped):  # one call a step (a replay per FULL step)
+                self.phases.setdefault(name, []).extend(values)
+            else:
+                self.dropped.add(name)
+        self.wrapped += wrapped
+
+    def add_stats(self, delta: dict) -> None:
+        for key, value in delta.items():
+            if isinstance(value, dict):
+                counts = Counter(self.stats.get(key, {}))
+                counts.update(value)
+                self.stats[key] = dict(counts)
+            else:
+                self.stats[key] = self.stats.get(key, 0) + value
+
+    def summary(self) -> dict:
+        out = {
+            "step_us": us_summary(self.totals),
+            "step_cloned_us": us_summary(self.cloned),
+            "step_us_by_round": self.round_medians,
+            "stats": self.stats,
+            "phases_us": {},
+        }
+        complete = {
+            k: v
+            for k, v in self.phases.items()
+            if k not in self.dropped and len(v) == len(self.wrapped)
+        }
+        for name, values in complete.items():
             out["phases_us"][name] = statistics.median(values) * 1e6
-    summed = [p for p in out["phases_us"] if p != NESTED_PHASE]
-    if summed:
-        sums = np.sum([phases[p] for p in summed], axis=0)
-        out["phases_us"]["other"] = float(np.median(np.array(wrapped) - sums)) * 1e6
-    out["from_arrays_us"] = time_batch_building(pool, tokens, n, arrays=True)
-    out["from_requests_us"] = time_batch_building(pool, tokens, n, arrays=False)
-    return out
+        summed = [p for p in complete if p != NESTED_PHASE]
+        if summed:
+            sums = np.sum([complete[p] for p in summed], axis=0)
+            out["phases_us"]["other"] = float(np.median(np.array(self.wrapped) - sums)) * 1e6
+        return out
 
 
 def us_summary(seconds: list[float]) -> dict[str, float]:
@@ -2024,7 +2084,12 @@ def table_host(data: dict) -> list[str]:
     header = ["requests", "step", "p10-p90", "step, clone", "check", "prepare", "common md"]
     header += ["build md", "forward", "(replay)", "restore"]
     header += ["other", "from_arrays", "from_requests", "runtime mode"]
-    return lines + _rows_table(header, rows)
+    lines += _rows_table(header, rows)
+    for n, r in e["by_requests"].items():  # the host's speed from round to round
+        if r.get("step_us_by_round"):
+            medians = " / ".join(f"{v:.1f}" for v in r["step_us_by_round"])
+            lines.append(f"  {n} requests, each round's median: {medians}")
+    return lines
 
 
 def _spread(summary: dict) -> str:

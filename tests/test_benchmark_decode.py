@@ -5,12 +5,14 @@ last, and ``python -m graphattn bench`` reaches the script. Timings here mean no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from graphattn.__main__ import main as graphattn_main
@@ -431,3 +433,64 @@ def test_sm_clock_is_cycles_over_the_median_time_and_printed_per_row():
     assert decode.clock_lines(rows, ["1", "8"]) == [
         "  graphattn FULL: SM clock after the timed steps 1980 / - MHz"
     ]
+
+
+def test_host_rounds_cut_the_steps_into_near_equal_consecutive_chunks():
+    assert decode.host_rounds(200, 5) == [range(i, i + 40) for i in range(0, 200, 40)]
+    assert decode.host_rounds(7, 3) == [range(0, 2), range(2, 4), range(4, 7)]
+    assert decode.host_rounds(3, 5) == [range(0, 1), range(1, 2), range(2, 3)]  # one step each
+    assert decode.host_rounds(0, 5) == []
+
+
+def test_the_host_part_interleaves_the_sizes_over_its_rounds(monkeypatch):
+    """Every round runs a share of every size's steps (plain, cloned, phase-timed), so a
+    host that changes speed mid-part cannot land on one size alone; the steps, the rounds'
+    medians, the stats and the phases add up over the rounds."""
+    import types
+
+    order = []
+
+    class Engine:
+        model = types.SimpleNamespace(vocab_size=50)
+        runner = types.SimpleNamespace()  # no phases to time
+
+        def step(self, batch, clone=True):
+            order.append((batch.num_reqs, clone))
+
+    class Pool:
+        block_table = np.zeros((8, 2), dtype=np.int32)
+        context = 3
+
+        def decode_batch(self, rows, tokens):
+            return types.SimpleNamespace(num_reqs=len(tokens))
+
+    steps = {"n": 0}
+
+    def fake_stats(engine):
+        steps["n"] += 1
+        return {
+            "runtime_modes": {"FULL": steps["n"]},
+            "fallbacks": {},
+            "steps": steps["n"],
+            "recompiles": 0,
+            "captures_after_startup": 0,
+        }
+
+    monkeypatch.setattr(decode, "stats_of", fake_stats)
+    monkeypatch.setattr(decode, "time_batch_building", lambda *a, **k: 1.0)
+    s = decode.settings_from_args(decode.parse_args(QUICK + ["--host-sizes", "1,4"]))
+    s = dataclasses.replace(s, host_iters=10, device="cpu")
+    out = decode.graphattn_host(Engine(), Pool(), s, np.random.default_rng(0))
+    timed = order[40:]  # after 20 warm-up steps of each size
+    assert order[:40] == [(1, False)] * 20 + [(4, False)] * 20
+    rounds = decode.host_rounds(10, decode.HOST_ROUNDS)
+    expected = []
+    for chunk in rounds:
+        for n in (1, 4):
+            expected += [(n, False)] * len(chunk) + [(n, True)] * len(chunk)
+            expected += [(n, False)] * len(chunk)
+    assert timed == expected
+    for r in out["by_requests"].values():
+        assert len(r["step_us_by_round"]) == len(rounds)
+        assert r["step_us"]["median"] > 0 and r["stats"]["runtime_modes"]["FULL"] > 0
+        assert r["stats"]["steps"] == 1 + len(rounds)  # the fake counts one per delta
