@@ -93,13 +93,7 @@ class CompiledModel:
             self.capture_info["input_copies"] = (
                 "inside full graphs" if self.runner.copies_in_full_graphs else "before each step"
             )
-            needing = sorted(
-                {
-                    type(g.builder).__name__
-                    for g in self.attn_groups
-                    if g.builder is not None and g.builder.full_replay_needs_build
-                }
-            )
+            needing = self.runner.builders_needing_replay_build()
             self.capture_info["metadata_on_full_replays"] = (
                 f"built each step ({', '.join(needing)}: full_replay_needs_build)"
                 if needing

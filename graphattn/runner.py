@@ -326,6 +326,10 @@ class ModelRunner:
         """
         return not any(b.full_replay_needs_build for b in self._builders)
 
+    def builders_needing_replay_build(self) -> list[str]:
+        """The class names of the builders that declare ``full_replay_needs_build``."""
+        return sorted({type(b).__name__ for b in self._builders if b.full_replay_needs_build})
+
     # -- capture ----------------------------------------------------------------------
 
     @property
