@@ -253,3 +253,14 @@ def test_full_replays_skip_the_metadata_only_when_no_builder_needs_it(monkeypatc
 
     runner.run(runner.prepare_inputs(batch), capturing=True)
     assert builds == [4, 4] and seen[-1][layer] is not None
+
+
+def test_the_runner_names_the_builders_a_replay_needs(monkeypatch):
+    """What the report's capture.metadata_on_full_replays lists (set where full graphs exist)."""
+    eng = eager_engine(TableAttentionModel(64, 4, 2, 64, seed=2), cudagraph_mode="NONE")
+    builder_cls = type(eng.runner.attn_groups[0].builder)
+    assert eng.runner.builders_needing_replay_build() == [builder_cls.__name__]
+    assert not eng.runner.replays_skip_build
+    monkeypatch.setattr(builder_cls, "full_replay_needs_build", False)
+    assert eng.runner.builders_needing_replay_build() == []
+    assert eng.runner.replays_skip_build
