@@ -1426,8 +1426,10 @@ def startup_child(job_json: str) -> int:
 
 
 def write_profile(profiler: cProfile.Profile, path: Path) -> None:
-    """``path``.txt: the top functions by cumulative and by own time."""
+    """``path``.txt: the top functions by cumulative and by own time; ``path``.prof: the
+    whole profile (``pstats.Stats(path)``, for callers and callees)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(f"{path}.prof")
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(80)

@@ -3,7 +3,8 @@
 # under $OUT. Parts: tests (pytest -m gpu), attention (benchmarks/attention.py),
 # decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py), splits
 # (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
-# pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py), nodes
+# pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py),
+# mlp (benchmarks/fused_mlp.py), nodes
 # (benchmarks/graph_nodes.py, GA_NODES_BATCHES), demo. Extra pytest/benchmark arguments come from
 # GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
@@ -41,6 +42,8 @@ for part in "$@"; do
              | tee "$OUT/pdl_chain.log" | tail -20; rc=${PIPESTATUS[0]} ;;
     fused) python3 benchmarks/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 \
              | tee "$OUT/fused_ops.log" | tail -40; rc=${PIPESTATUS[0]} ;;
+    mlp) python3 benchmarks/fused_mlp.py --out "$OUT/fused_mlp.json" 2>&1 \
+             | tee "$OUT/fused_mlp.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     l2) python3 benchmarks/l2_prefetch.py --out "$OUT/l2_prefetch.json" 2>&1 \
              | tee "$OUT/l2_prefetch.log" | tail -30; rc=${PIPESTATUS[0]} ;;
     nodes) python3 benchmarks/graph_nodes.py --batches "${GA_NODES_BATCHES:-1,32}" \
