@@ -59,7 +59,7 @@ from benchmarks.profile_decode import _short  # noqa: E402
 PARTS = ("floor", "latency", "trace", "mixed", "host", "startup")
 # graphattn's environment variables that say where a run keeps its files, not what a step
 # runs: every other GRAPHATTN_ variable set is recorded in meta.env (run_variables)
-PLACE_VARIABLES = ("GRAPHATTN_CACHE_DIR",)
+PLACE_VARIABLES = ("GRAPHATTN_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 BASELINES = ("eager", "compile", "reduce-overhead")
 BLOCK_SIZE = 16
 STEP_DEFINITION = (
@@ -271,13 +271,14 @@ def log(message: str) -> None:
 
 
 def run_variables(environ: Mapping[str, str]) -> dict[str, str]:
-    """Every ``GRAPHATTN_`` variable set but the ones that only place files: the documented
-    ones (envs.py, kernels/pdl.py, kernels/attention_plan.py) and any an experiment adds, so
-    an A/B run's JSON says what each process ran with."""
+    """Every ``GRAPHATTN_`` and ``TORCHINDUCTOR_`` variable set but the ones that only place
+    files: graphattn's documented ones (envs.py, kernels/pdl.py, kernels/attention_plan.py),
+    Inductor's (``TORCHINDUCTOR_ENABLE_PDL``...) and any an experiment adds, so an A/B run's
+    JSON says what each process ran with."""
     return {
         k: v
         for k, v in sorted(environ.items())
-        if k.startswith("GRAPHATTN_") and k not in PLACE_VARIABLES
+        if k.startswith(("GRAPHATTN_", "TORCHINDUCTOR_")) and k not in PLACE_VARIABLES
     }
 
 

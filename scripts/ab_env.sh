@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# A/B of the decode step between settings of graphattn's environment variables, on this
-# tree: FULL latency from benchmarks/decode.py, one process per setting and round, the order
-# reversed in even rounds. A setting is a space-separated list of VAR=VALUE ("-" for none).
+# A/B of the decode step between settings of graphattn's (GRAPHATTN_*) or Inductor's
+# (TORCHINDUCTOR_*) environment variables, on this tree: FULL latency from
+# benchmarks/decode.py, one process per setting and round, the order reversed in even rounds.
+# A setting is a space-separated list of VAR=VALUE ("-" for none).
 #
 #   scripts/ab_env.sh [ROUNDS=3] [BATCHES=1,8] SETTING...
 #   scripts/ab_env.sh 2 1,8,32 - GRAPHATTN_FUSED_SPLIT_MERGE=1 GRAPHATTN_INPUT_STAGING=copies \
 #     "GRAPHATTN_FUSED_SPLIT_MERGE=1 GRAPHATTN_INPUT_STAGING=copies"
+#   scripts/ab_env.sh 3 1,8 - TORCHINDUCTOR_ENABLE_PDL=1    # Inductor's kernels with PDL too
 #   CPU check: AB_DECODE_ARGS=--smoke scripts/ab_env.sh 1 1 - GRAPHATTN_INPUT_STAGING=kernel
 #
 # Prints each run's FULL milliseconds per batch size; JSON under $OUT/env-N-ROUND.json (N:
@@ -24,7 +26,8 @@ settings=("$@")
 for s in "${settings[@]}"; do
   [ "$s" = "-" ] && continue
   for pair in $s; do
-    [[ "$pair" =~ ^GRAPHATTN_[A-Z_]+=[^=]*$ ]] || { echo "not a GRAPHATTN_ VAR=VALUE: $pair" >&2; exit 2; }
+    [[ "$pair" =~ ^(GRAPHATTN|TORCHINDUCTOR)_[A-Z_]+=[^=]*$ ]] \
+      || { echo "not a GRAPHATTN_ or TORCHINDUCTOR_ VAR=VALUE: $pair" >&2; exit 2; }
   done
 done
 run() {  # $1 = setting index, $2 = round

@@ -385,14 +385,20 @@ def test_no_profile_without_cuda_graphs(tmp_path):
     assert "kernels" not in latency["by_batch"]["1"] and res.data["errors"] == []
 
 
-def test_meta_env_records_every_graphattn_variable_but_the_cache_folder():
+def test_meta_env_records_every_graphattn_and_inductor_variable_but_the_cache_folders():
     environ = {
         "GRAPHATTN_PDL": "0",
         "GRAPHATTN_SOME_EXPERIMENT": "1",  # one an A/B adds, not in any list
         "GRAPHATTN_CACHE_DIR": "/tmp/cache",
+        "TORCHINDUCTOR_ENABLE_PDL": "1",
+        "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor",
         "PATH": "/usr/bin",
     }
-    assert decode.run_variables(environ) == {"GRAPHATTN_PDL": "0", "GRAPHATTN_SOME_EXPERIMENT": "1"}
+    assert decode.run_variables(environ) == {
+        "GRAPHATTN_PDL": "0",
+        "GRAPHATTN_SOME_EXPERIMENT": "1",
+        "TORCHINDUCTOR_ENABLE_PDL": "1",
+    }
 
 
 def test_kernel_summary_names_where_the_idle_time_is():
