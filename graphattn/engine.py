@@ -77,6 +77,9 @@ class CompiledModel:
             debug=config.debug,
         )
         graphed = self.graphs.dispatcher.sizes if self.graphs.mode != CUDAGraphMode.NONE else ()
+        self.inductor_pdl, self.kernel_settings["inductor_pdl"] = _inductor_pdl(
+            self.device, self.graphs.mode, config.compile_backend
+        )
         self.compile_sizes = config.resolved_compile_sizes(self.device, graphed, self.dtype)
         self.compiled = self._compile()
         forward = self.compiled if self.compiled is not None else self.model
@@ -251,6 +254,7 @@ class CompiledModel:
             passes=c.passes,
             trace_cache=c.trace_cache,
             verify_trace_cache=c.debug,
+            inductor_pdl=self.inductor_pdl,
         )
         n = c.max_num_tokens
         example = (self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n])
@@ -344,7 +348,36 @@ def _kernel_settings(device: torch.device) -> dict[str, str]:
         merge = attention_plan.describe_merge()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    envs.inductor_pdl()  # read now, so a bad value fails before anything is allocated
     return {"pdl": pdl.describe(device), "split_kv_merge": merge}
+
+
+def _inductor_pdl(device: torch.device, mode: CUDAGraphMode, backend: str) -> tuple[bool, str]:
+    """Whether Inductor's Triton kernels in the compiled pieces launch with PDL, and the
+    report's line for it. Only where the engine captures CUDA graphs: a kernel launched with
+    PDL cannot take Inductor's static launcher (Triton's launches it), which a replay never
+    calls and eager steps were not measured with. An Inductor kernel waits ahead of its first
+    read of what the kernel before it wrote (a piece's first kernel, ahead of any read) and
+    signals its dependents only after a wait; graphattn's kernels wait before every read of
+    what a kernel of the step wrote (``kernels/pdl.py``), and the two that signal before
+    their wait, decode attention and the split-KV reduction, are splitting ops: a piece's
+    first kernel comes after them.
+    """
+    if backend != "inductor":
+        return False, f"off: compile_backend={backend!r} runs no Inductor"
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        return False, f"off: torch {torch.__version__} has no triton.enable_pdl in Inductor"
+    if inductor_config.triton.enable_pdl:  # graphattn patches nothing then
+        return False, "on: Inductor's own config (TORCHINDUCTOR_ENABLE_PDL)"
+    if not envs.inductor_pdl():
+        return False, "off: GRAPHATTN_INDUCTOR_PDL=0"
+    if not pdl.use_pdl(device):
+        return False, "off: graphattn's kernels launch without PDL"
+    if mode == CUDAGraphMode.NONE:
+        return False, "off: no CUDA graphs (resolved mode NONE)"
+    return True, "on (graphattn's builds set Inductor's triton.enable_pdl)"
 
 
 def _input_staging() -> tuple[str, str | None]:

@@ -76,6 +76,7 @@ class CompileOptions:
     passes: tuple[str, ...] = DEFAULT_PASSES  # post-grad passes Inductor runs on each piece
     trace_cache: bool = True  # save the trace with the pieces; a warm start skips Dynamo
     verify_trace_cache: bool = False  # trace anyway and compare with the saved trace
+    inductor_pdl: bool = False  # Inductor's Triton kernels launch with PDL (the engine decides)
 
 
 @dataclass
@@ -194,7 +195,9 @@ def compile_model(
             built, note = _verified(built, split, note)
     if built is None:
         cache = _open_cache(options, cache_factors(base, model, trace.graph_module))
-        compiler = PieceCompiler(options.compile_backend, passes, cache, dump)
+        compiler = PieceCompiler(
+            options.compile_backend, passes, cache, dump, inductor_pdl=options.inductor_pdl
+        )
         runtime = PiecewiseRuntime(trace.binding, trace.signature, split, compiler)
         runtime(input_ids, positions)  # once through the compiled pieces, at start-up
         sizes = _specialise(runtime, compiler, options, input_ids, positions)
@@ -325,6 +328,8 @@ def _base_factors(
         "passes": passes.names,
         # Inductor tunes the dynamic build for the traced size (its size hint)
         "trace_tokens": trace_tokens,
+        # a patch of Inductor's config per build: not in the config described below
+        "inductor_pdl": options.inductor_pdl,
     }
     factors = base_factors(options.cache_factors, passes.uuid(), settings)
     matmul = torch.backends.cuda.matmul
@@ -413,7 +418,9 @@ def _from_trace_cache(
         return None, f"missed (the entry does not restore: {type(e).__name__}: {e})"
     if len(entry.fingerprints) != len(split.compiled_pieces):
         return None, "missed (the entry's fingerprints do not match its pieces)"
-    compiler = PieceCompiler(options.compile_backend, passes, cache, None)
+    compiler = PieceCompiler(
+        options.compile_backend, passes, cache, None, inductor_pdl=options.inductor_pdl
+    )
     compiler.cached_only = True
     for piece, fingerprint in zip(split.compiled_pieces, entry.fingerprints):
         compiler.set_fingerprint(piece, fingerprint)

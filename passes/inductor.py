@@ -35,10 +35,13 @@ def compile_piece(
     dynamic: bool,
     pass_manager: PostGradPassManager,
     on_output_code: Callable[[str], None] | None = None,
+    pdl: bool = False,
 ) -> Any:
     """Inductor's ``CompiledArtifact`` for ``gm``: dynamic (symbolic token count, from the
     graph's fake inputs) or specialised to the shapes of the real ``example_inputs``.
-    ``on_output_code`` receives the generated Python wrapper code.
+    ``on_output_code`` receives the generated Python wrapper code. ``pdl`` turns on
+    Inductor's ``triton.enable_pdl`` for this build (its Triton kernels launch with
+    programmatic dependent launch on sm_90 and later; its own config decides otherwise).
     """
     global _compiles
     from torch._inductor import standalone_compile
@@ -50,6 +53,8 @@ def compile_piece(
         "fx_graph_cache": True,
         "fx_graph_remote_cache": False,
     }
+    if pdl:
+        config_patches["triton.enable_pdl"] = True
     with torch.no_grad(), _local_autograd_cache(), _output_code_hook(on_output_code):
         return standalone_compile(
             gm,

@@ -76,9 +76,12 @@ class PieceCompiler:
         pass_manager: PostGradPassManager,
         cache: CompileCache | None,
         dump: DebugDump | None,
+        *,
+        inductor_pdl: bool = False,
     ) -> None:
         self.backend = backend
         self.pass_manager = pass_manager
+        self.inductor_pdl = inductor_pdl  # Inductor's Triton kernels launch with PDL
         self.cache = cache
         self.dump = dump
         self.hits = 0
@@ -154,6 +157,7 @@ class PieceCompiler:
             dynamic=dynamic,
             pass_manager=self.pass_manager,
             on_output_code=on_code,
+            pdl=self.inductor_pdl,
         )
 
     def _code_writer(self, piece: Piece, shape: str) -> Callable[[str], None] | None:

@@ -206,3 +206,66 @@ def test_every_llama_config_change_changes_the_trace_cache_key(change):
     base = LlamaConfig.tiny()
     assert key(base) == key(LlamaConfig.tiny())
     assert key(LlamaConfig.tiny(**change)) != key(base)
+
+
+@pytest.mark.gpu
+def test_inductor_kernels_with_pdl_in_graphs_match_the_same_engine_without(tmp_path, monkeypatch):
+    """On Hopper the engine's Inductor builds launch their Triton kernels with PDL inside
+    CUDA graphs (FULL at the decode sizes, PIECEWISE at the rest): their code waits with
+    griddepcontrol, the report says so, and mixed and decode batches come out as close to
+    an fp32 eager engine as the same engine's with GRAPHATTN_INDUCTOR_PDL=0. A kernel that
+    read what the kernel before it writes without waiting would read the last step's values.
+    """
+    from graphattn.kernels import pdl
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not pdl.use_pdl(device):
+        pytest.skip(f"graphattn's PDL is {pdl.describe(device)}")
+    model = _llama()
+    common = dict(attention_backend="TRITON", **LIMITS)
+    ref32 = ga.compile(
+        copy.deepcopy(model).to("cuda", torch.float32),
+        compile_backend="none",
+        cudagraph_mode="NONE",
+        **common,
+    )
+    engines = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("GRAPHATTN_INDUCTOR_PDL", setting)
+        engines[setting] = ga.compile(
+            copy.deepcopy(model).to("cuda", torch.bfloat16),
+            cudagraph_mode="FULL_AND_PIECEWISE",
+            cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32],
+            cache_dir=str(tmp_path / "cache"),
+            debug_dump_path=str(tmp_path / f"dump-{setting}"),
+            **common,
+        )
+    on, off = engines["1"], engines["0"]
+    assert (
+        on.report.kernels["inductor_pdl"]
+        == "on (graphattn's builds set Inductor's triton.enable_pdl)"
+    )
+    assert off.report.kernels["inductor_pdl"] == "off: GRAPHATTN_INDUCTOR_PDL=0"
+    assert on.report.compile["cache_key"] != off.report.compile["cache_key"]
+
+    def inductor_code(setting):
+        return "\n".join(p.read_text() for p in (tmp_path / f"dump-{setting}").rglob("*.py"))
+
+    assert "gdc_wait()" in inductor_code("1") and "gdc_wait()" not in inductor_code("0")
+    rng = np.random.default_rng(3)
+    for step in range(10):
+        if step % 2:  # decodes only: a FULL graph
+            shapes = [(int(c), 1) for c in rng.integers(1, 120, int(rng.integers(1, 17)))]
+        else:  # prefills and decodes: PIECEWISE (or eager past the capture sizes)
+            shapes = [
+                (int(c), int(n)) for c, n in zip(rng.integers(0, 60, 3), rng.integers(2, 9, 3))
+            ]
+            shapes += [(int(c), 1) for c in rng.integers(1, 100, 3)]
+        seqs = make_seqs(rng, shapes, VOCAB, BLOCK, LIMITS["num_blocks"])
+        expected = run_with_prefixes(ref32, seqs)
+        err_on = rel_err(run_with_prefixes(on, seqs), expected)
+        err_off = rel_err(run_with_prefixes(off, seqs), expected)
+        assert err_on <= 1.5 * err_off + 1e-3, (step, err_on, err_off)
+    for engine in engines.values():
+        assert engine.stats.captures_after_startup == 0
+        assert set(engine.stats.runtime_modes) >= {"FULL", "PIECEWISE"}

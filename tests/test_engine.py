@@ -144,8 +144,48 @@ def test_report_names_backend_per_layer_and_prints():
     assert d["kernels"] == {
         "pdl": "off: cpu is not a CUDA device",  # and why
         "split_kv_merge": "by a reduction kernel after the attention launch",
+        "inductor_pdl": "off: compile_backend='none' runs no Inductor",
     }
     assert "kernels: pdl=off: cpu is not a CUDA device" in text
+
+
+@pytest.mark.parametrize(
+    "backend, inductor_own, env, graphattn_pdl, mode, expected",
+    [
+        ("inductor", False, None, True, "FULL", "on (graphattn's builds set Inductor's triton.enable_pdl)"),
+        ("inductor", False, "1", True, "PIECEWISE", "on (graphattn's builds set Inductor's triton.enable_pdl)"),
+        ("eager", False, None, True, "FULL", "off: compile_backend='eager' runs no Inductor"),
+        ("inductor", True, "0", True, "NONE", "on: Inductor's own config (TORCHINDUCTOR_ENABLE_PDL)"),
+        ("inductor", False, "0", True, "FULL", "off: GRAPHATTN_INDUCTOR_PDL=0"),
+        ("inductor", False, None, False, "FULL", "off: graphattn's kernels launch without PDL"),
+        ("inductor", False, None, True, "NONE", "off: no CUDA graphs (resolved mode NONE)"),
+    ],
+)  # fmt: skip
+def test_inductor_pdl_decision_and_its_reason(
+    monkeypatch, backend, inductor_own, env, graphattn_pdl, mode, expected
+):
+    """Every branch of whether Inductor's kernels launch with PDL (graphattn's PDL faked: the
+    CPU has none); graphattn patches Inductor's config only where it says "on (...)"."""
+    import torch._inductor.config as inductor_config
+
+    from graphattn import engine as engine_module
+
+    monkeypatch.setattr(engine_module.pdl, "use_pdl", lambda device: graphattn_pdl)
+    if env is None:
+        monkeypatch.delenv("GRAPHATTN_INDUCTOR_PDL", raising=False)
+    else:
+        monkeypatch.setenv("GRAPHATTN_INDUCTOR_PDL", env)
+    with inductor_config.patch({"triton.enable_pdl": inductor_own}):
+        on, line = engine_module._inductor_pdl(
+            torch.device("cuda"), ga.CUDAGraphMode[mode], backend
+        )
+    assert (on, line) == (expected.startswith("on ("), expected)
+
+
+def test_a_bad_inductor_pdl_variable_fails_before_anything_is_allocated(monkeypatch):
+    monkeypatch.setenv("GRAPHATTN_INDUCTOR_PDL", "yes")
+    with pytest.raises(ga.ConfigError, match=r"GRAPHATTN_INDUCTOR_PDL must be 0 or 1, got 'yes'"):
+        eager_engine(_llama(), cudagraph_mode="NONE", num_blocks=16)
 
 
 def test_graph_modes_fall_back_to_none_without_cuda_and_say_why():

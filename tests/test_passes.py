@@ -445,6 +445,41 @@ def test_an_inductor_config_change_misses(toy, cache_dir):
     _check_outputs(other, model)
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("inductor_pdl", [True, False])
+def test_inductor_pdl_patches_inductors_config_and_enters_the_key(
+    tmp_path, monkeypatch, inductor_pdl
+):
+    """The engine's choice reaches each build as a patch of Inductor's config (its kernels'
+    code then depends on it, which Inductor's own cache sees), and graphattn's cache key."""
+    from graphattn.passes.compiler import _base_factors
+    from graphattn.passes.pass_manager import make_pass_manager
+
+    seen = []
+
+    def spy(gm, inputs, **kwargs):
+        seen.append(kwargs["options"]["config_patches"])
+        raise _Stop
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", spy)
+    options = _options(tmp_path, compile_sizes=(), inductor_pdl=inductor_pdl)
+    with pytest.raises(_Stop):
+        _compile(ToyModel(), options)
+    assert seen[0].get("triton.enable_pdl", False) is inductor_pdl
+    assert ("triton.enable_pdl" in seen[0]) is inductor_pdl  # off: Inductor's config decides
+    passes = make_pass_manager(options.passes)
+    factors = _base_factors(options, passes, MAX_TOKENS)
+    flipped = dataclasses.replace(options, inductor_pdl=not inductor_pdl)
+    other = _base_factors(flipped, passes, MAX_TOKENS)
+    assert factors["compiler"]["inductor_pdl"] is inductor_pdl
+    assert {k: v for k, v in factors.items() if k != "compiler"} == {
+        k: v for k, v in other.items() if k != "compiler"
+    }
+
+
 def test_an_unusable_cache_folder_only_costs_the_cache(toy, tmp_path, caplog):
     model, _, _ = toy
     not_a_folder = tmp_path / "file"
