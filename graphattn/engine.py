@@ -47,6 +47,7 @@ class CompiledModel:
         self.config = config
         self.device, self.dtype = _device_and_dtype(model, config)
         self.kernel_settings = _kernel_settings(self.device)  # a bad variable fails here
+        self.precompile_threads = envs.precompile_threads()
         self.input_staging, staging_note = _input_staging()
         self.kv_cache_dtype = (
             self.dtype
@@ -87,11 +88,15 @@ class CompiledModel:
             self.graphs.mode.has_full_cudagraphs() and self.runner.can_copy_in_graphs
         )
         self.runner.input_staging = self.input_staging
+        self.runner.precompile_threads = self.precompile_threads
+        self.runner.precompile_skip = _precompile_skip(self.compiled)
         prologue = self.runner.full_graph_prologue if self.runner.copies_in_full_graphs else None
         self.runner.forward = self.graphs.wrap_model(forward, prologue)
         weights = dict(self.model.named_parameters())
         weights.update(self.model.named_buffers())
         self.capture_info = self.graphs.capture(self.runner, weights)
+        if self.capture_info:  # graphs were captured
+            self.capture_info["kernel_precompile"] = self.runner.precompile.as_dict()
         if self.graphs.mode.has_full_cudagraphs():
             self.capture_info["input_copies"] = (
                 "inside full graphs" if self.runner.copies_in_full_graphs else "before each step"
@@ -378,6 +383,15 @@ def _inductor_pdl(device: torch.device, mode: CUDAGraphMode, backend: str) -> tu
     if mode == CUDAGraphMode.NONE:
         return False, "off: no CUDA graphs (resolved mode NONE)"
     return True, "on (graphattn's builds set Inductor's triton.enable_pdl)"
+
+
+def _precompile_skip(compiled: CompiledForward | None) -> str | None:
+    """Why the capture need not compile graphattn's kernels ahead (``kernels/precompile.py``),
+    or None: after a warm compile Triton's cache most likely holds them too, and the dry
+    pass over every capture key would only add its own time."""
+    if compiled is not None and compiled.info.warm:
+        return "a warm compile (pieces from the cache): Triton's cache most likely has the kernels"
+    return None
 
 
 def _input_staging() -> tuple[str, str | None]:

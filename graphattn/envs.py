@@ -54,6 +54,23 @@ def inductor_pdl() -> bool:
     return raw == "1"
 
 
+PRECOMPILE_THREADS_DEFAULT = 8
+
+
+def precompile_threads() -> int:
+    """``GRAPHATTN_PRECOMPILE_THREADS``: threads that compile graphattn's Triton kernels ahead
+    of a capture's warm-ups (``kernels/precompile.py``); default 8, at most the machine's
+    CPUs; ``0`` or ``1`` compiles each at its first launch, one after another."""
+    raw = os.environ.get("GRAPHATTN_PRECOMPILE_THREADS", "") or str(PRECOMPILE_THREADS_DEFAULT)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"GRAPHATTN_PRECOMPILE_THREADS must be an int >= 0, got {raw!r}")
+    return min(value, os.cpu_count() or 1)
+
+
 INPUT_STAGINGS = ("copies", "kernel")
 
 

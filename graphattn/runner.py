@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphattn._logging import logger
 from graphattn.attention.backend import CommonAttentionMetadata
 from graphattn.attention.forward_context import set_forward_context
 from graphattn.attention.groups import AttentionGroup
@@ -17,6 +18,7 @@ from graphattn.batch import Batch
 from graphattn.buffers import InputBuffers
 from graphattn.capture.dispatcher import BatchDescriptor, Dispatch
 from graphattn.capture.mode import CUDAGraphMode
+from graphattn.kernels.precompile import PrecompileReport, compile_ahead
 from graphattn.kv_cache import KVCacheGroup, to_kernel_block_table
 from graphattn.report import EngineStats
 from graphattn.validation import BatchLimits, check_batch
@@ -116,6 +118,11 @@ class ModelRunner:
         # (envs.input_staging: "kernel", the default, or "copies").
         self.copies_in_full_graphs = False
         self.input_staging = "kernel"
+        # Threads that compile graphattn's kernels before the capture's warm-ups (set by the
+        # engine from envs.precompile_threads; < 2: each compiles at its first launch).
+        self.precompile_threads = 0
+        self.precompile_skip: str | None = None  # why not, though threads allow it
+        self.precompile = PrecompileReport("off: nothing captured")
         self._streams: dict[int, torch.cuda.Stream] = {}  # raw stream -> Stream, for record
         self._event_stream: torch.cuda.Stream | None = None  # full_graph_prologue's branch
         self._device_index = (
@@ -374,21 +381,40 @@ class ModelRunner:
         """Warm up and capture each (mode, key) in order; call inside an open capture phase.
 
         The capture batch is synthetic: every token has slot -1 (the KV cache is not
-        written), every request reads block 0, and the lengths fit the key.
+        written), every request reads block 0, and the lengths fit the key. First, one dry
+        warm-up of every key compiles graphattn's Triton kernels on ``precompile_threads``
+        threads unless ``precompile_skip`` says why not (``compile_ahead``;
+        ``self.precompile`` says what it did).
         """
+        ahead = compile_ahead(self.device, self.precompile_threads, self.precompile_skip)
+        with ahead as report:
+            if report.active:
+                try:
+                    for mode, key in keys:
+                        self._warm_up(mode, key)
+                except Exception as e:  # garbage activations upset an op: compile as before
+                    report.status = f"stopped: a dry warm-up raised {type(e).__name__}: {e}"[:300]
+                    logger.warning("kernel precompile %s", report.status)
+        self.precompile = report
         for mode, key in keys:
-            plan = self._synthetic_plan(mode, key)
-            eager = dataclasses.replace(
-                plan,
-                runtime_mode=CUDAGraphMode.NONE,
-                batch_descriptor=None,
-                metadata_as=(mode, key),
-            )
-            for _ in range(warmups):  # kernels compile and autotune outside the graph
-                self.run(eager)
-            if self._stages_inputs(mode):  # the prologue runs only in a capture: compile it here
-                self.buffers.stage_to_device(key.num_tokens, key.num_reqs)
+            plan = self._warm_up(mode, key, warmups)
             self.run(plan, capturing=True)
+
+    def _warm_up(self, mode: CUDAGraphMode, key: BatchDescriptor, times: int = 1) -> StepPlan:
+        """Run ``key``'s synthetic batch eagerly ``times`` times, with the kernels the
+        capture will record (they compile and load outside the graph); the plan to capture."""
+        plan = self._synthetic_plan(mode, key)
+        eager = dataclasses.replace(
+            plan,
+            runtime_mode=CUDAGraphMode.NONE,
+            batch_descriptor=None,
+            metadata_as=(mode, key),
+        )
+        for _ in range(times):
+            self.run(eager)
+        if self._stages_inputs(mode):  # the prologue runs only in a capture: compile it here
+            self.buffers.stage_to_device(key.num_tokens, key.num_reqs)
+        return plan
 
     def _stages_inputs(self, mode: CUDAGraphMode) -> bool:
         """Whether a graph of ``mode`` starts with the staging kernel (``input_staging``)."""
