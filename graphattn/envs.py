@@ -33,14 +33,7 @@ def debug() -> bool:
 def prefetch_mib() -> int:
     """``GRAPHATTN_PREFETCH_MIB``: MiB of the next weight the opt-in ``prefetch_next_weight``
     pass asks into L2 (default 16; 0 turns its rewrite off)."""
-    raw = os.environ.get("GRAPHATTN_PREFETCH_MIB", "16")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"GRAPHATTN_PREFETCH_MIB must be an int >= 0 (MiB), got {raw!r}")
-    return value
+    return _count("GRAPHATTN_PREFETCH_MIB", 16, " (MiB)")
 
 
 def inductor_pdl() -> bool:
@@ -61,14 +54,20 @@ def precompile_threads() -> int:
     """``GRAPHATTN_PRECOMPILE_THREADS``: threads that compile graphattn's Triton kernels ahead
     of a capture's warm-ups (``kernels/precompile.py``); default 8, at most the machine's
     CPUs; ``0`` or ``1`` compiles each at its first launch, one after another."""
-    raw = os.environ.get("GRAPHATTN_PRECOMPILE_THREADS", "") or str(PRECOMPILE_THREADS_DEFAULT)
+    threads = _count("GRAPHATTN_PRECOMPILE_THREADS", PRECOMPILE_THREADS_DEFAULT)
+    return min(threads, os.cpu_count() or 1)
+
+
+def _count(name: str, default: int, unit: str = "") -> int:
+    """The int >= 0 in ``name`` (unset or empty: ``default``); a ConfigError otherwise."""
+    raw = os.environ.get(name, "") or str(default)
     try:
         value = int(raw)
     except ValueError:
         value = -1
     if value < 0:
-        raise ConfigError(f"GRAPHATTN_PRECOMPILE_THREADS must be an int >= 0, got {raw!r}")
-    return min(value, os.cpu_count() or 1)
+        raise ConfigError(f"{name} must be an int >= 0{unit}, got {raw!r}")
+    return value
 
 
 INPUT_STAGINGS = ("copies", "kernel")
