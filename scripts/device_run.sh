@@ -4,9 +4,9 @@
 # decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py), splits
 # (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
 # pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py),
-# mlp (benchmarks/fused_mlp.py), nodes
-# (benchmarks/graph_nodes.py, GA_NODES_BATCHES), demo. Extra pytest/benchmark arguments come from
-# GA_PYTEST_ARGS and GA_DECODE_ARGS.
+# mlp (benchmarks/fused_mlp.py), nodes (benchmarks/graph_nodes.py, GA_NODES_BATCHES),
+# persistent (benchmarks/persistent_chain.py), demo. Extra pytest/benchmark arguments come
+# from GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail
 OUT=${OUT:-/tmp/graphattn-out}
@@ -36,6 +36,9 @@ for part in "$@"; do
              | tee "$OUT/decode-splits.log" | tail -60; rc=${PIPESTATUS[0]} ;;
     gemv) python3 benchmarks/gemv.py --out "$OUT/gemv.json" 2>&1 \
              | tee "$OUT/gemv.log" | tail -60; rc=${PIPESTATUS[0]} ;;
+    persistent) python3 benchmarks/persistent_chain.py --layer-scope --rounds 5 \
+             --out "$OUT/persistent_chain.json" 2>&1 \
+             | tee "$OUT/persistent_chain.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     tiles) python3 benchmarks/gemv_tiles.py --out "$OUT/gemv_tiles.json" 2>&1 \
              | tee "$OUT/gemv_tiles.log" | tail -150; rc=${PIPESTATUS[0]} ;;
     pdl) python3 benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" 2>&1 \
