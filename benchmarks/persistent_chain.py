@@ -57,11 +57,9 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 from benchmarks import attention as ab  # noqa: E402
+from benchmarks.pdl_chain import LAYER, SMOKE_LAYER  # noqa: E402  (name, N, K) a layer
 from graphattn.kernels.gemv import gemv  # noqa: E402
 
-# (name, N, K) of one layer's GEMVs, in chain order
-LAYER = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
-SMOKE_LAYER = (("qkv", 48, 32), ("o", 32, 32), ("gate_up", 96, 32), ("down", 32, 64))
 TILE_ELEMS = 4096  # weight elements a program loads per loop step (8 KiB of bf16)
 # polls before a barrier gives up and flags a hang instead of hanging (a real wait is us)
 SPIN_LIMIT = tl.constexpr(1 << 17)
@@ -181,7 +179,7 @@ def _persistent_chain_kernel(
     w_next = tl.zeros([BN_Q, BK_Q], dtype=wq_ptr.dtype.element_ty)
     if PRELOAD:
         w_next = _first_tile(wq_ptr + layer_begin * QKV * HIDDEN, pid, HIDDEN, BN_Q, BK_Q)
-    for layer in range(layer_begin, layer_end):
+    for layer in range(layer_begin, layer_end):  # int32 offsets: the largest is 0.5e9 here
         x_ptr = yd_ptr + (layer - 1) * HIDDEN  # the layer before's down output
         if layer == 0:
             x_ptr = x0_ptr
@@ -435,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one program; no timings")
     p.add_argument("--reps", type=int, default=30, help="timed replays per round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="per_sm,warps,stages,preload;...")
+    p.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="per_sm,warps,stages,preload[,tile[,poll_load]];...",
+    )
     p.add_argument("--layer-scope", action="store_true", help="also one launch a layer")
     p.add_argument("--out", help="JSON path")
     a = p.parse_args(argv)
