@@ -20,9 +20,12 @@ down 2048x8192 (1.95 GB of bf16 weights, far beyond L2), GEMV i reading the firs
 of GEMV i-1. Variants, each a CUDA graph replayed after warm-up (median of CUDA-event
 timings), alternated over ``--rounds`` rounds:
 - ``library``: ``graphattn.kernels.gemv``, as the step runs it (PDL on Hopper);
-- ``step P/w/s/pre``: one launch for the 64 GEMVs, P programs per SM, w warps, s pipeline
-  stages, ``pre``: each program loads its first tile of the next GEMV's weight between its
+- ``step P/wW/sS/tT pre``: one launch for the 64 GEMVs, P programs per SM, W warps, S
+  pipeline stages, T weight elements per loop step; ``pre``: each program loads its first tile of the next GEMV's weight between its
   arrival and its wait (the weights are written by nobody, so the tile cannot be stale);
+- ``... ld`` / ``asm`` / ``asm1``: the barrier polls with volatile loads, or with a tight
+  ``ld.acquire`` loop in inline PTX on every thread / on thread 0 alone (else with acquire
+  atomics, which Triton runs on one thread);
 - ``layer ...``: one launch a layer (4 GEMVs, 3 barriers; 16 launches);
 - ``nosync ...``: the step kernel without its barriers: a wrong answer (a GEMV reads its
   input before it is written), timed to show what the barriers cost, and the control that
@@ -66,32 +69,71 @@ SPIN_LIMIT = tl.constexpr(1 << 17)
 MAX_IMBALANCE = 1.07  # most tiles a program gets / the mean, for the BLOCK_N choice
 SANE_REL_ERR = 0.05  # largest |chain output - fp32 reference| / largest |reference|
 # programs per SM, warps, stages, preload[, tile elements, poll with loads]
-DEFAULT_CONFIGS = "4,4,3,0;2,8,3,0,8192;1,16,3,0,16384;3,4,3,1;4,4,3,0,4096,1"
+DEFAULT_CONFIGS = "4,4,3,0;2,8,3,0,8192;1,16,3,0,16384;3,4,3,1;4,4,3,0,4096,1;4,4,3,0,4096,3"
+
+
+# A tight poll in PTX: ld.acquire until the count reaches the grid ($2) or the limit ($3).
+# FIRST_THREAD: only thread 0 of the program polls; the others return the grid size at once
+# and wait at the barrier after it.
+def _poll_asm(first_thread: bool) -> str:
+    skip = (
+        "mov.u32 %t, %tid.x;\nsetp.ne.u32 %p0, %t, 0;\nmov.u32 $0, $2;\n@%p0 bra DONE${:uid};\n"
+        if first_thread
+        else ""
+    )
+    return (
+        "{\n.reg .pred %pl, %pc, %pw, %p0;\n.reg .u32 %n, %t;\n" + skip + "mov.u32 %n, 0;\n"
+        "POLL${:uid}:\nld.acquire.gpu.global.u32 $0, [$1];\nadd.u32 %n, %n, 1;\n"
+        "setp.lt.u32 %pl, $0, $2;\nsetp.lt.u32 %pc, %n, $3;\nand.pred %pw, %pl, %pc;\n"
+        "@%pw bra POLL${:uid};\nDONE${:uid}:\n}"
+    )
+
+
+_POLL_ASM_ALL = tl.constexpr(_poll_asm(False))
+_POLL_ASM_ONE = tl.constexpr(_poll_asm(True))
 
 
 @triton.jit
-def _grid_barrier(sync_ptr, err_ptr, nprog, SYNC: tl.constexpr, POLL_LOAD: tl.constexpr):
+def _grid_barrier(sync_ptr, err_ptr, nprog, SYNC: tl.constexpr, POLL: tl.constexpr):
     """Every program of the grid arrives, then waits until all have. One counter per barrier
     (zeroed before the launch): a release add publishes this program's stores, an acquire
-    read makes the others' visible. ``POLL_LOAD``: poll with volatile loads (which do not
-    queue at the counter's L2 slice behind the arrivals) and acquire once at the end."""
+    read makes the others' visible. ``POLL``: 0 polls with acquire atomics (Triton runs a
+    scalar atomic on one thread and broadcasts it through shared memory); 1 with volatile
+    loads and one acquire at the end; 2 with a tight ``ld.acquire`` loop in PTX on every
+    thread; 3 the same loop on thread 0 alone."""
     if SYNC:
         tl.debug_barrier()  # this program's threads have all stored
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
         spins = 0
-        if POLL_LOAD:
-            seen = tl.load(sync_ptr, volatile=True)
-            while (seen < nprog) & (spins < SPIN_LIMIT):
-                seen = tl.load(sync_ptr, volatile=True)
-                spins += 1
-            tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        if POLL >= 2:
+            seen = tl.inline_asm_elementwise(
+                _POLL_ASM_ONE if POLL == 3 else _POLL_ASM_ALL,
+                "=r,l,r,r",
+                [
+                    sync_ptr + tl.zeros([1], dtype=tl.int32),
+                    tl.zeros([1], dtype=tl.int32) + nprog,
+                    tl.full([1], SPIN_LIMIT, dtype=tl.int32),
+                ],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+            if tl.max(seen, axis=0) < nprog:
+                tl.atomic_max(err_ptr, 1)
         else:
-            seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-            while (seen < nprog) & (spins < SPIN_LIMIT):
+            if POLL == 1:
+                seen = tl.load(sync_ptr, volatile=True)
+                while (seen < nprog) & (spins < SPIN_LIMIT):
+                    seen = tl.load(sync_ptr, volatile=True)
+                    spins += 1
+                tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+            else:
                 seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-                spins += 1
-        if spins >= SPIN_LIMIT:
-            tl.atomic_max(err_ptr, 1)
+                while (seen < nprog) & (spins < SPIN_LIMIT):
+                    seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+                    spins += 1
+            if spins >= SPIN_LIMIT:
+                tl.atomic_max(err_ptr, 1)
         tl.debug_barrier()
 
 
@@ -172,7 +214,7 @@ def _persistent_chain_kernel(
     STAGES: tl.constexpr,
     PRELOAD: tl.constexpr,
     SYNC: tl.constexpr,
-    POLL_LOAD: tl.constexpr,
+    POLL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -196,22 +238,22 @@ def _persistent_chain_kernel(
         w_o = tl.zeros([BN_O, BK_O], dtype=wo_ptr.dtype.element_ty)
         if PRELOAD:
             w_o = _first_tile(wo, pid, HIDDEN, BN_O, BK_O)
-        _grid_barrier(bar, err_ptr, nprog, SYNC, POLL_LOAD)
+        _grid_barrier(bar, err_ptr, nprog, SYNC, POLL)
         _gemv_stage(yq, wo, yo, pid, nprog, w_o, HIDDEN, HIDDEN, BN_O, BK_O, STAGES, PRELOAD)
         w_gu = tl.zeros([BN_GU, BK_GU], dtype=wgu_ptr.dtype.element_ty)
         if PRELOAD:
             w_gu = _first_tile(wgu, pid, HIDDEN, BN_GU, BK_GU)
-        _grid_barrier(bar + 1, err_ptr, nprog, SYNC, POLL_LOAD)
+        _grid_barrier(bar + 1, err_ptr, nprog, SYNC, POLL)
         _gemv_stage(yo, wgu, ygu, pid, nprog, w_gu, GATE_UP, HIDDEN, BN_GU, BK_GU, STAGES, PRELOAD)
         w_d = tl.zeros([BN_D, BK_D], dtype=wd_ptr.dtype.element_ty)
         if PRELOAD:
             w_d = _first_tile(wd, pid, MLP, BN_D, BK_D)
-        _grid_barrier(bar + 2, err_ptr, nprog, SYNC, POLL_LOAD)
+        _grid_barrier(bar + 2, err_ptr, nprog, SYNC, POLL)
         _gemv_stage(ygu, wd, yd, pid, nprog, w_d, HIDDEN, MLP, BN_D, BK_D, STAGES, PRELOAD)
         if layer + 1 < layer_end:
             if PRELOAD:
                 w_next = _first_tile(wq + QKV * HIDDEN, pid, HIDDEN, BN_Q, BK_Q)
-            _grid_barrier(bar + 3, err_ptr, nprog, SYNC, POLL_LOAD)
+            _grid_barrier(bar + 3, err_ptr, nprog, SYNC, POLL)
 
 
 @dataclass(frozen=True)
@@ -221,7 +263,7 @@ class Config:
     stages: int
     preload: bool
     tile: int = TILE_ELEMS  # weight elements a program loads per loop step
-    poll_load: bool = False  # the barrier polls with loads, not atomics
+    poll: int = 0  # the barrier polls with 0 atomics, 1 loads, 2 / 3 ld.acquire (all / one)
     scope: str = "step"  # "step": one launch; "layer": one launch a layer
     sync: bool = True
 
@@ -229,12 +271,12 @@ class Config:
     def label(self) -> str:
         name = self.scope if self.sync else "nosync"
         pre = " pre" if self.preload else ""
-        poll = " ld" if self.poll_load else ""
+        poll = ("", " ld", " asm", " asm1")[self.poll]
         return f"{name} {self.per_sm}/w{self.warps}/s{self.stages}/t{self.tile}{pre}{poll}"
 
 
 def parse_configs(text: str) -> list[Config]:
-    """``per_sm,warps,stages,preload[,tile[,poll_load]];...`` (warps and tile powers of two)."""
+    """``per_sm,warps,stages,preload[,tile[,poll]];...`` (warps and tile powers of two)."""
     out = []
     for part in filter(None, text.split(";")):
         try:
@@ -243,16 +285,23 @@ def parse_configs(text: str) -> list[Config]:
             fields = []
         if not 4 <= len(fields) <= 6 or min(fields) < 0:
             raise SystemExit(
-                f"--configs: expected per_sm,warps,stages,preload[,tile[,poll_load]] "
+                f"--configs: expected per_sm,warps,stages,preload[,tile[,poll]] "
                 f"(integers >= 0), got {part!r}"
             )
         per_sm, warps, stages, pre, tile, poll = fields + [TILE_ELEMS, 0][len(fields) - 4 :]
-        if per_sm < 1 or stages < 1 or warps < 1 or warps & (warps - 1) or tile & (tile - 1):
+        if (
+            per_sm < 1
+            or stages < 1
+            or warps < 1
+            or warps & (warps - 1)
+            or tile & (tile - 1)
+            or poll > 3
+        ):
             raise SystemExit(
                 f"--configs: per_sm and stages must be >= 1, warps and tile powers of two, "
-                f"got {part!r}"
+                f"poll 0 to 3, got {part!r}"
             )
-        out.append(Config(per_sm, warps, stages, bool(pre), tile, bool(poll)))
+        out.append(Config(per_sm, warps, stages, bool(pre), tile, poll))
     return out
 
 
@@ -354,7 +403,7 @@ class Chain:
             STAGES=cfg.stages,
             PRELOAD=cfg.preload,
             SYNC=cfg.sync,
-            POLL_LOAD=cfg.poll_load,
+            POLL=cfg.poll if nprog > 1 else min(cfg.poll, 1),  # the interpreter runs no PTX
             num_warps=cfg.warps,
             num_stages=cfg.stages,
         )
@@ -436,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--configs",
         default=DEFAULT_CONFIGS,
-        help="per_sm,warps,stages,preload[,tile[,poll_load]];...",
+        help="per_sm,warps,stages,preload[,tile[,poll]];...",
     )
     p.add_argument("--layer-scope", action="store_true", help="also one launch a layer")
     p.add_argument("--out", help="JSON path")

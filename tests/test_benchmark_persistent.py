@@ -41,9 +41,9 @@ def test_block_n_splits_rows_evenly_over_the_programs():
 
 def test_configs_are_checked():
     (cfg,) = pc.parse_configs("2,8,3,1")
-    assert cfg == pc.Config(2, 8, 3, True, pc.TILE_ELEMS, False)
-    assert pc.parse_configs("1,16,4,0,16384,1")[0].poll_load
-    for bad in ("2,8,3", "2,6,3,0", "0,4,3,0", "2,8,3,0,1000", "a,b,c,d"):
+    assert cfg == pc.Config(2, 8, 3, True, pc.TILE_ELEMS, 0)
+    assert pc.parse_configs("1,16,4,0,16384,2")[0].poll == 2
+    for bad in ("2,8,3", "2,6,3,0", "0,4,3,0", "2,8,3,0,1000", "2,8,3,0,4096,4", "a,b,c,d"):
         with pytest.raises(SystemExit, match="--configs"):
             pc.parse_configs(bad)
 
@@ -60,7 +60,12 @@ def test_grid_barrier_orders_the_chain():
         variant.build("cuda")
         return variant.checked_output("cuda")
 
-    for cfg in (pc.Config(4, 4, 3, False), pc.Config(3, 4, 3, True, 4096, True)):
+    for cfg in (
+        pc.Config(4, 4, 3, False),
+        pc.Config(3, 4, 3, True, 4096, 1),
+        pc.Config(4, 4, 3, False, 4096, 2),
+        pc.Config(4, 4, 3, False, 4096, 3),
+    ):
         for scope in ("step", "layer"):
             out = checked(dataclasses.replace(cfg, scope=scope))
             assert not out.isnan().any(), (cfg, scope)
