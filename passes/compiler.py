@@ -27,6 +27,7 @@ from graphattn.attention.forward_context import (
     set_forward_context,
 )
 from graphattn.errors import ConfigError, InvalidInputError, RecompileError
+from graphattn.kernels.precompile import PrecompileReport, compile_ahead
 from graphattn.passes.backend import Trace, describe_inputs, trace_model
 from graphattn.passes.cache import CompileCache, base_factors, cache_factors
 from graphattn.passes.debug import DebugDump
@@ -100,6 +101,8 @@ class CompileInfo:
     backend: str = ""
     passes: list[str] = field(default_factory=list)
     debug_dump_dir: str = ""
+    # graphattn's Triton kernels compiled on a pool before the start-up runs (_dry_run)
+    kernel_precompile: dict[str, Any] = field(default_factory=dict)
 
 
 class CompiledForward:
@@ -199,14 +202,17 @@ def compile_model(
             options.compile_backend, passes, cache, dump, inductor_pdl=options.inductor_pdl
         )
         runtime = PiecewiseRuntime(trace.binding, trace.signature, split, compiler)
+        sizes = _specialisable(options, input_ids)
+        precompiled = _dry_run(runtime, compiler, sizes, input_ids, positions)
         runtime(input_ids, positions)  # once through the compiled pieces, at start-up
-        sizes = _specialise(runtime, compiler, options, input_ids, positions)
+        _specialise(runtime, compiler, sizes, input_ids, positions)
         if traces is not None:
             note = _save_trace(traces, key, note, trace, sources, split, compiler, cache, model)
-        built = _Built(runtime, compiler, cache, sizes)
+        built = _Built(runtime, compiler, cache, sizes, precompiled)
     runtime, compiler = built.runtime, built.compiler
     _wrap_pieces(runtime, piece_wrapper)
     info = _info(options, runtime.split, compiler, built.cache, passes, dump, built.sizes)
+    info.kernel_precompile = built.precompiled.as_dict()
     info.trace_seconds = trace.seconds if trace is not None else 0.0
     info.trace_source = "dynamo" if built.from_dynamo else "trace cache"
     info.trace_cache = note
@@ -225,6 +231,12 @@ class _Built:
     compiler: PieceCompiler
     cache: CompileCache | None
     sizes: list[int]
+    precompiled: PrecompileReport = field(
+        default_factory=lambda: PrecompileReport(
+            "skipped: a warm compile (pieces from the caches): Triton's cache most likely "
+            "has the kernels"
+        )
+    )
     from_dynamo: bool = True
 
 
@@ -427,7 +439,8 @@ def _from_trace_cache(
     try:
         runtime = PiecewiseRuntime(binding, signature, split, compiler)
         runtime(input_ids, positions)
-        sizes = _specialise(runtime, compiler, options, input_ids, positions)
+        sizes = _specialisable(options, input_ids)
+        _specialise(runtime, compiler, sizes, input_ids, positions)
     except NotCached as e:
         return None, f"missed ({e})"
     except Exception as e:  # the saved graph no longer runs (an op's schema changed...)
@@ -482,14 +495,8 @@ def _save_trace(
     return before + (f"saved {path}" if path else "not saved (the write failed)")
 
 
-def _specialise(
-    runtime: PiecewiseRuntime,
-    compiler: PieceCompiler,
-    options: CompileOptions,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-) -> list[int]:
-    """Specialised builds for each of ``compile_sizes`` the example inputs can cover."""
+def _specialisable(options: CompileOptions, input_ids: torch.Tensor) -> list[int]:
+    """The ``compile_sizes`` the example inputs can cover (a warning names the others)."""
     if options.compile_backend == "eager":
         return []
     sizes = sorted(set(options.compile_sizes))
@@ -501,10 +508,43 @@ def _specialise(
             too_big,
             input_ids.shape[0],
         )
-    done = [s for s in sizes if s <= input_ids.shape[0]]
-    for size in done:
+    return [s for s in sizes if s <= input_ids.shape[0]]
+
+
+def _specialise(
+    runtime: PiecewiseRuntime,
+    compiler: PieceCompiler,
+    sizes: list[int],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """A specialised build of every piece for each of ``sizes`` tokens (each runs once)."""
+    for size in sizes:
         runtime.specialise(compiler, input_ids[:size], positions[:size])
-    return done
+
+
+def _dry_run(
+    runtime: PiecewiseRuntime,
+    compiler: PieceCompiler,
+    sizes: list[int],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+) -> PrecompileReport:
+    """The start-up runs once without graphattn's kernels (``kernels/precompile.py``): their
+    launches compile on a thread pool while the pieces' builds compile here, so the real
+    runs that follow find them compiled instead of compiling each at its first launch. The
+    builds made here are the real runs' (``PieceCompiler`` builds a piece and shape once).
+    A dry run that raises (an op upset by the garbage the skipped kernels leave) leaves the
+    rest to compile as before, and the report says so."""
+    with compile_ahead(input_ids.device, envs.precompile_threads()) as report:
+        if report.active:
+            try:
+                runtime(input_ids, positions)
+                _specialise(runtime, compiler, sizes, input_ids, positions)
+            except Exception as e:
+                report.status = f"stopped: the dry run raised {type(e).__name__}: {e}"[:300]
+                logger.warning("graphattn compile: kernel precompile %s", report.status)
+    return report
 
 
 def _wrap_pieces(runtime: PiecewiseRuntime, wrapper: PieceWrapper | None) -> None:

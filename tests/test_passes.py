@@ -38,6 +38,7 @@ _lib = torch.library.Library("graphattn_test", "FRAGMENT")
 _lib.define("toy_cache_update(Tensor k, int layer) -> Tensor")
 _lib.define("toy_attention(Tensor q, Tensor k, Tensor(a!) out, Tensor dep, int layer) -> ()")
 CALLS = {"update": 0, "attention": 0}
+RAISE_IN_ATTENTION = [False]  # the kernel-precompile tests make a dry run raise
 
 
 def _toy_cache_update(k: torch.Tensor, layer: int) -> torch.Tensor:
@@ -47,6 +48,8 @@ def _toy_cache_update(k: torch.Tensor, layer: int) -> torch.Tensor:
 
 def _toy_attention(q, k, out, dep, layer) -> None:
     CALLS["attention"] += 1
+    if RAISE_IN_ATTENTION[0]:
+        raise ValueError("garbage in a routing op")
     out.copy_(q * torch.sigmoid(k) + layer)
 
 
@@ -973,6 +976,71 @@ def test_verification_catches_an_entry_its_key_missed(
         torch.testing.assert_close(checked(*_inputs(6)), want)
     same = _compile(changed, _options(copy_dir, verify_trace_cache=True))
     assert same.info.trace_source == "trace cache" and "verified" in same.info.trace_cache
+
+
+# -- graphattn's kernels compiled on a pool during start-up --------------------------------
+
+
+def test_the_start_up_runs_report_the_kernel_precompile(toy, cache_dir):
+    """On the CPU there is nothing to compile ahead (the report says why); a start from the
+    trace cache skips it as the capture does after a warm compile."""
+    _, compiled, _ = toy
+    assert compiled.info.kernel_precompile == {
+        "status": "unavailable: kernels compile only for CUDA devices, got cpu"
+    }
+    again = _compile(ToyModel(), _options(cache_dir))
+    assert again.info.trace_source == "trace cache"
+    assert again.info.kernel_precompile["status"].startswith("skipped: a warm compile")
+
+
+@pytest.fixture
+def pool_on(monkeypatch):
+    """``compile_ahead`` as on a CUDA machine, minus the hook (the toy's ops run anyway):
+    yields a switch that makes the toy attention raise while the dry run is inside."""
+    import contextlib
+
+    import graphattn.passes.compiler as compiler_module
+    from graphattn.kernels.precompile import PrecompileReport
+
+    raise_inside = [False]
+
+    @contextlib.contextmanager
+    def ahead(device, threads, skip=None):
+        RAISE_IN_ATTENTION[0] = raise_inside[0]
+        try:
+            yield PrecompileReport("on", threads=threads)
+        finally:
+            RAISE_IN_ATTENTION[0] = False
+
+    monkeypatch.setattr(compiler_module, "compile_ahead", ahead)
+    monkeypatch.setenv("GRAPHATTN_PRECOMPILE_THREADS", "2")
+    return raise_inside
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_the_dry_run_reuses_its_builds_and_a_raise_leaves_the_real_runs(
+    toy, cache_dir, pool_on, raises
+):
+    """The dry run (the first run and each specialisation, before the real ones) builds each
+    piece and shape once: the real runs take its builds, so the compile cache is read as
+    often as without it. If the dry run raises, the real runs build the rest as before and
+    the report says why the pool stopped."""
+    model, compiled, _ = toy
+    pool_on[0] = raises
+    before = dict(CALLS)
+    again = _compile(model, _options(cache_dir, trace_cache=False))
+    info = again.info
+    assert (info.cache_hits, info.cache_misses) == (compiled.info.cache_misses, 0)
+    assert (info.compile_sizes, info.inductor_compiles) == (list(SIZES), 0)
+    real = LAYERS * (1 + len(SIZES))  # the first run and each specialisation, every layer
+    dry = 1 if raises else real  # a raising dry run stops at its first attention
+    assert CALLS["attention"] - before["attention"] == real + dry
+    status = info.kernel_precompile["status"]
+    if raises:
+        assert status == "stopped: the dry run raised ValueError: garbage in a routing op"
+    else:
+        assert status == "on" and info.kernel_precompile["threads"] == 2
+    _check_outputs(again, model)
 
 
 # -- debug dump ---------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Compiling graphattn's Triton kernels ahead of a capture (graphattn/kernels/precompile.py).
 
 On the CPU: the variable, the states in which nothing is held back, and the launch hook
-(against a stand-in for Triton's launch). On CUDA: engines built in fresh processes with
-empty Triton caches, with and without the pool, count the compiles a real launch had to
-make during start-up.
+(against a stand-in for Triton's launch); the compile phase's dry run is tested in
+test_passes.py. On CUDA: engines built in fresh processes with empty Triton caches, with
+and without the pool, count the compiles a real launch had to make in each start-up phase.
 """
 
 from __future__ import annotations
@@ -202,7 +202,9 @@ _BUILD = textwrap.dedent(
     engine = ga.compile(model, cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=[1, 2, 4, 8],
                         max_num_seqs=8, max_num_tokens=64, max_model_len=128, num_blocks=64)
     print(json.dumps({"precompile": engine.report.capture["kernel_precompile"],
+                      "compile_precompile": engine.report.compile["kernel_precompile"],
                       "warm": engine.report.compile["warm"],
+                      "compile_s": engine.report.compile["seconds"],
                       "capture_s": engine.report.capture["seconds"], "lazy": lazy}))
     """
 )
@@ -224,11 +226,11 @@ def _build_in_a_process(root, threads: int) -> dict:
 
 
 @pytest.mark.gpu
-def test_a_cold_capture_compiles_every_graphattn_kernel_on_the_pool(tmp_path):
-    """With the pool, no real launch during the capture compiles one of graphattn's kernels:
-    the dry warm-ups found every specialisation it needs (the compile phase's run of the
-    one-token build, before the capture, still compiles its GEMVs). Without the pool the
-    capture compiles them at their first launches. A second, warm start skips the pool."""
+def test_a_cold_start_compiles_every_graphattn_kernel_on_the_pool(tmp_path):
+    """With the pool, no real launch compiles one of graphattn's kernels: the compile
+    phase's dry run (its run through the pieces and the one-token build) and the capture's
+    dry warm-ups found every specialisation they need. Without the pool each compiles at its
+    first launch, in both phases. A second, warm start skips the pool in both."""
     from triton.runtime.jit import JITFunction
 
     if not hasattr(JITFunction, "_do_compile"):
@@ -239,11 +241,19 @@ def test_a_cold_capture_compiles_every_graphattn_kernel_on_the_pool(tmp_path):
     report = pooled["precompile"]
     assert report["status"] == "on" and report["threads"] == 4 and not pooled["warm"]
     assert report["launches"] > 0 and report["compiled"] > 0 and "errors" not in report
-    assert pooled["lazy"]["capture"] == []
-    assert serial["precompile"] == {"status": "off: GRAPHATTN_PRECOMPILE_THREADS < 2"}
+    early = pooled["compile_precompile"]
+    assert early["status"] == "on" and early["threads"] == 4 and "errors" not in early
+    assert early["launches"] > 0 and early["compiled"] > 0
+    assert pooled["lazy"] == {"compile": [], "capture": []}
+    off = {"status": "off: GRAPHATTN_PRECOMPILE_THREADS < 2"}
+    assert serial["precompile"] == serial["compile_precompile"] == off
+    assert len(set(serial["lazy"]["compile"])) >= 2  # the one-token GEMVs, ...
     assert len(set(serial["lazy"]["capture"])) >= 3  # attention, reduction, staging, ...
     assert again["warm"] and again["precompile"]["status"].startswith("skipped: a warm compile")
+    assert again["compile_precompile"]["status"].startswith("skipped: a warm compile")
     print(
-        f"capture {pooled['capture_s']} s with the pool, {serial['capture_s']} s without, "
-        f"{again['capture_s']} s warm; lazy compiles {pooled['lazy']} / {serial['lazy']}"
+        f"compile {pooled['compile_s']} s with the pool, {serial['compile_s']} s without, "
+        f"{again['compile_s']} s warm; capture {pooled['capture_s']} / {serial['capture_s']} / "
+        f"{again['capture_s']} s; lazy compiles {pooled['lazy']} / {serial['lazy']}; "
+        f"compile-phase pool {early}"
     )
