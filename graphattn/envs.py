@@ -52,8 +52,9 @@ PRECOMPILE_THREADS_DEFAULT = 8
 
 def precompile_threads() -> int:
     """``GRAPHATTN_PRECOMPILE_THREADS``: threads that compile graphattn's Triton kernels ahead
-    of a capture's warm-ups (``kernels/precompile.py``); default 8, at most the machine's
-    CPUs; ``0`` or ``1`` compiles each at its first launch, one after another."""
+    of a cold start's runs and a capture's warm-ups (``kernels/precompile.py``); default 8, at
+    most the machine's CPUs; ``0`` or ``1`` compiles each at its first launch, one after
+    another."""
     threads = _count("GRAPHATTN_PRECOMPILE_THREADS", PRECOMPILE_THREADS_DEFAULT)
     return min(threads, os.cpu_count() or 1)
 

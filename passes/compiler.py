@@ -233,7 +233,7 @@ class _Built:
     sizes: list[int]
     precompiled: PrecompileReport = field(
         default_factory=lambda: PrecompileReport(
-            "skipped: a warm compile (pieces from the caches): Triton's cache most likely "
+            "skipped: a warm compile (pieces from the cache): Triton's cache most likely "
             "has the kernels"
         )
     )

@@ -1,11 +1,14 @@
 """Compile graphattn's Triton kernels before their first launch, several at once.
 
 Triton compiles a kernel at the first launch of each specialisation (its constexprs, the
-alignment of its pointers, ints equal to 1 or divisible by 16), in the launching thread. A
-capture's warm-ups are where graphattn's kernels first launch, one after another, so a cold
-capture waits for every compile in turn: about 7.5 s on a slow host of the H200 machine
+alignment of its pointers, ints equal to 1 or divisible by 16), in the launching thread.
+graphattn's kernels first launch in the compile phase's runs (the one-token GEMVs) and a
+capture's warm-ups (attention, its reduction, staging...), one after another, so a cold start
+waits for every compile in turn: about 7.5 s of a capture on a slow host of the H200 machine
 (round 21's cProfile: LLVM, ptxas, the code generator and, per signature, a launcher built
-with gcc; docs/performance.md). A warm Triton cache skips them.
+with gcc; docs/performance.md). A warm Triton cache skips them. Both phases run once dry
+inside ``compile_ahead`` first (``passes/compiler.py``'s ``_dry_run``, the runner's
+``capture_graphs``).
 
 ``compile_ahead(device, threads)`` is a context in which a launch of one of graphattn's
 kernels does not run: it goes down Triton's warm-up path, which under Triton's
@@ -15,6 +18,8 @@ context waits for all of them. The caller runs its warm-ups once inside (their o
 garbage: graphattn's kernels wrote nothing) and again after, for real, when every launch finds
 its kernel compiled. That extra pass is not free (one eager run of every key), so the engine
 skips it where Triton's cache most likely holds the kernels already: after a warm compile.
+Ops that index memory with values computed from the garbage would read out of bounds; a
+model with such ops should turn the pool off (``GRAPHATTN_PRECOMPILE_THREADS=0``).
 
 Compiling releases the GIL for most of its time (the MLIR and LLVM passes, ptxas and gcc
 run outside Python), so threads suffice: six attention kernels for sm_90 compiled in 8.7 s
