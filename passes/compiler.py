@@ -3,7 +3,8 @@
 ``compile_model`` runs the phases in order: trace (backend.py) -> split (split.py) ->
 build every compiled piece (piecewise.py: Inductor through the compile cache, identical
 pieces once) -> one run through the compiled pieces -> a specialised build per
-``compile_sizes`` entry -> the piece wrapper. When the trace cache (trace_cache.py) holds
+``compile_sizes`` entry -> the piece wrapper. The run and the specialisations go once dry
+first, graphattn's Triton kernels compiling on a pool (``_dry_run``). When the trace cache (trace_cache.py) holds
 this model's trace and the compile cache every build, the first two phases are skipped:
 the split graph comes from the entry and no Dynamo trace runs. The engine relies on the
 names in this file.
