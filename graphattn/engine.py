@@ -23,7 +23,7 @@ from graphattn.capture.mode import CUDAGraphMode
 from graphattn.capture.resolve import FallbackRecord, resolve_for_engine
 from graphattn.config import CompileConfig, parse_dtype
 from graphattn.errors import ConfigError, CUDAGraphModeError, FallbackWarning, InvalidInputError
-from graphattn.kernels import attention_plan, pdl, triton_import_error
+from graphattn.kernels import attention_plan, pdl, precompile, triton_import_error
 from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
 from graphattn.runner import ModelRunner
@@ -390,7 +390,7 @@ def _precompile_skip(compiled: CompiledForward | None) -> str | None:
     or None: after a warm compile Triton's cache most likely holds them too, and the dry
     pass over every capture key would only add its own time."""
     if compiled is not None and compiled.info.warm:
-        return "a warm compile (pieces from the cache): Triton's cache most likely has the kernels"
+        return precompile.WARM_SKIP
     return None
 
 

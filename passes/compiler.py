@@ -28,7 +28,7 @@ from graphattn.attention.forward_context import (
     set_forward_context,
 )
 from graphattn.errors import ConfigError, InvalidInputError, RecompileError
-from graphattn.kernels.precompile import PrecompileReport, compile_ahead
+from graphattn.kernels.precompile import WARM_SKIP, PrecompileReport, compile_ahead
 from graphattn.passes.backend import Trace, describe_inputs, trace_model
 from graphattn.passes.cache import CompileCache, base_factors, cache_factors
 from graphattn.passes.debug import DebugDump
@@ -233,10 +233,7 @@ class _Built:
     cache: CompileCache | None
     sizes: list[int]
     precompiled: PrecompileReport = field(
-        default_factory=lambda: PrecompileReport(
-            "skipped: a warm compile (pieces from the cache): Triton's cache most likely "
-            "has the kernels"
-        )
+        default_factory=lambda: PrecompileReport(f"skipped: {WARM_SKIP}")
     )
     from_dynamo: bool = True
 

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 OURS = "graphattn."  # module prefix of the kernels compile_ahead holds back
+# why a start skips the pool after its pieces came from the caches (compile phase and capture)
+WARM_SKIP = "a warm compile (pieces from the cache): Triton's cache most likely has the kernels"
 
 
 @dataclass
