@@ -348,13 +348,18 @@ _INFERENCE_MODE_GUARD = getattr(torch._C, "_InferenceMode", None)
 
 def _kernel_settings(device: torch.device) -> dict[str, str]:
     """How graphattn's kernels launch on ``device``, as the environment sets it: PDL
-    (``GRAPHATTN_PDL``) and where split-KV results merge (``GRAPHATTN_FUSED_SPLIT_MERGE``)."""
+    (``GRAPHATTN_PDL``), where split-KV results merge (``GRAPHATTN_FUSED_SPLIT_MERGE``), and
+    the ptxas that compiles them (``precompile.pin_ptxas``, which settles it now)."""
     try:
         merge = attention_plan.describe_merge()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     envs.inductor_pdl()  # read now, so a bad value fails before anything is allocated
-    return {"pdl": pdl.describe(device), "split_kv_merge": merge}
+    return {
+        "pdl": pdl.describe(device),
+        "split_kv_merge": merge,
+        "ptxas": precompile.pin_ptxas(device),  # before anything compiles: one cache key
+    }
 
 
 def _inductor_pdl(device: torch.device, mode: CUDAGraphMode, backend: str) -> tuple[bool, str]:

@@ -144,6 +144,7 @@ def test_report_names_backend_per_layer_and_prints():
     assert d["kernels"] == {
         "pdl": "off: cpu is not a CUDA device",  # and why
         "split_kv_merge": "by a reduction kernel after the attention launch",
+        "ptxas": "not pinned: kernels compile only for CUDA devices, got cpu",
         "inductor_pdl": "off: compile_backend='none' runs no Inductor",
     }
     assert "kernels: pdl=off: cpu is not a CUDA device" in text

@@ -169,6 +169,49 @@ def test_a_failed_compile_is_reported_and_left_to_the_real_launch():
     assert report.as_dict()["errors"] == ["ValueError: no such tile"]
 
 
+def test_ptxas_is_left_alone_off_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    assert precompile.pin_ptxas(torch.device("cpu")) == (
+        "not pinned: kernels compile only for CUDA devices, got cpu"
+    )
+    assert "TRITON_PTXAS_PATH" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("torch_ships", "expected"),
+    [
+        ("/torch/bin/ptxas", "TRITON_PTXAS_PATH=/torch/bin/ptxas"),
+        (None, "Triton's own (torch ships none)"),
+    ],
+)
+def test_ptxas_is_inductors_choice_made_first(monkeypatch, torch_ships, expected):
+    """On CUDA the engine makes Inductor's ptxas choice before anything compiles, so every
+    process keys Triton's cache alike (against a stand-in for Inductor's function)."""
+    from torch._inductor.runtime import compile_tasks
+
+    calls = []
+
+    def inductors_choice():
+        calls.append(1)
+        if torch_ships is not None and "TRITON_PTXAS_PATH" not in os.environ:
+            os.environ["TRITON_PTXAS_PATH"] = torch_ships
+
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", inductors_choice)
+    assert precompile.pin_ptxas(torch.device("cuda", 0)) == expected
+    assert calls == [1]
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/mine/ptxas")  # the user's variable stays
+    assert precompile.pin_ptxas(torch.device("cuda")) == "TRITON_PTXAS_PATH=/mine/ptxas"
+
+
+def test_ptxas_without_inductors_function_is_reported(monkeypatch):
+    from torch._inductor.runtime import compile_tasks
+
+    monkeypatch.delattr(compile_tasks, "_set_triton_ptxas_path")
+    line = precompile.pin_ptxas(torch.device("cuda"))
+    assert line == f"not pinned: torch {torch.__version__} has no _set_triton_ptxas_path"
+
+
 _BUILD = textwrap.dedent(
     """
     import json, torch
@@ -205,7 +248,8 @@ _BUILD = textwrap.dedent(
                       "compile_precompile": engine.report.compile["kernel_precompile"],
                       "warm": engine.report.compile["warm"],
                       "compile_s": engine.report.compile["seconds"],
-                      "capture_s": engine.report.capture["seconds"], "lazy": lazy}))
+                      "capture_s": engine.report.capture["seconds"], "lazy": lazy,
+                      "ptxas": engine.report.kernels["ptxas"]}))
     """
 )
 
@@ -230,14 +274,20 @@ def test_a_cold_start_compiles_every_graphattn_kernel_on_the_pool(tmp_path):
     """With the pool, no real launch compiles one of graphattn's kernels: the compile
     phase's dry run (its run through the pieces and the one-token build) and the capture's
     dry warm-ups found every specialisation they need. Without the pool each compiles at its
-    first launch, in both phases. A second, warm start skips the pool in both."""
+    first launch, in both phases. A second, warm start skips the pool in both, and compiles
+    nothing: Triton's cache holds every kernel the first wrote."""
     from triton.runtime.jit import JITFunction
 
     if not hasattr(JITFunction, "_do_compile"):
         pytest.skip("this Triton has no JITFunction._do_compile to count compiles with")
     pooled = _build_in_a_process(tmp_path / "pooled", 4)
     serial = _build_in_a_process(tmp_path / "serial", 0)
+    cubins = set((tmp_path / "pooled" / "triton").rglob("*.cubin"))
     again = _build_in_a_process(tmp_path / "pooled", 4)  # warm: the same caches
+    # the warm start found every kernel in Triton's cache: it compiled none (round 26: it
+    # compiled graphattn's again when Inductor changed the ptxas between the two starts)
+    assert set((tmp_path / "pooled" / "triton").rglob("*.cubin")) == cubins
+    assert again["ptxas"] == pooled["ptxas"]
     report = pooled["precompile"]
     assert report["status"] == "on" and report["threads"] == 4 and not pooled["warm"]
     assert report["launches"] > 0 and report["compiled"] > 0 and "errors" not in report
@@ -255,5 +305,5 @@ def test_a_cold_start_compiles_every_graphattn_kernel_on_the_pool(tmp_path):
         f"compile {pooled['compile_s']} s with the pool, {serial['compile_s']} s without, "
         f"{again['compile_s']} s warm; capture {pooled['capture_s']} / {serial['capture_s']} / "
         f"{again['capture_s']} s; lazy compiles {pooled['lazy']} / {serial['lazy']}; "
-        f"compile-phase pool {early}"
+        f"compile-phase pool {early}; ptxas {pooled['ptxas']}"
     )

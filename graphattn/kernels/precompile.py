@@ -33,6 +33,7 @@ dropped and happens again, with its error, at the real launch.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -136,6 +137,30 @@ def compile_ahead(
         JITFunction.run = original
         pool.shutdown(wait=True)
         report.seconds = time.perf_counter() - start
+
+
+def pin_ptxas(device: torch.device) -> str:
+    """Settle which ptxas compiles Triton kernels in this process before graphattn's first
+    compile, the way Inductor settles it; returns the report's line.
+
+    Triton keys its on-disk cache on the ptxas it would call: ``TRITON_PTXAS_PATH`` if set,
+    else its own. Inductor points that variable at torch's bundled ptxas the first time it
+    compiles or loads a kernel in the main process (``_set_triton_ptxas_path``, where torch
+    ships one). A cold start reaches that point after graphattn's kernels compiled, a start
+    from the caches before any of them: it missed Triton's cache for every kernel the cold
+    start wrote and compiled them again, one after another in its capture (15 kernels, about
+    4 s on the H200 machine, round 26). Making Inductor's choice first, in every process, keys
+    every start alike. A ``TRITON_PTXAS_PATH`` the user set is kept (Inductor keeps it too).
+    """
+    if device.type != "cuda":
+        return f"not pinned: kernels compile only for CUDA devices, got {device.type}"
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:
+        return f"not pinned: torch {torch.__version__} has no _set_triton_ptxas_path"
+    _set_triton_ptxas_path()
+    path = os.environ.get("TRITON_PTXAS_PATH")
+    return f"TRITON_PTXAS_PATH={path}" if path else "Triton's own (torch ships none)"
 
 
 def _defined_in_graphattn(kernel: Any) -> bool:
