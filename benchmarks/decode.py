@@ -1345,7 +1345,11 @@ def run_startup(s: Settings, res: Results, root: Path) -> None:
             else:  # the GPU machine's own state: no bytecode written, only what the install has
                 env = {k: v for k, v in base.items() if k != "PYTHONPYCACHEPREFIX"}
                 env["PYTHONDONTWRITEBYTECODE"] = "1"
+            cubins = count_cubins(root / "triton")
             out[name] = run_child(job | profile, env, s.startup_timeout_s)
+            # a warm process that writes kernels to Triton's cache compiled them (round 26:
+            # a ptxas that changed between processes made the warm one compile 15 again)
+            out[name]["triton_compiles"] = count_cubins(root / "triton") - cubins
         failed = [out[n]["status"] for n, _ in STARTUP_PROCESSES if out[n].get("status") != "ok"]
         out["status"] = failed[0] if failed else "ok"
     except Exception as e:
@@ -1361,10 +1365,17 @@ def run_startup(s: Settings, res: Results, root: Path) -> None:
         "and writes none, the GPU machine's own setting (its torch install holds none, so "
         "every torch module is compiled from source in every process). compile/capture "
         "seconds and graph MiB are the engine's report; ga_compile_s is the wall time of "
-        "ga.compile; process_s the child's whole life (imports, CUDA init)."
+        "ga.compile; process_s the child's whole life (imports, CUDA init); triton_compiles "
+        "the .cubin files the process added to Triton's cache (kernels it compiled: a warm "
+        "process should add none)."
     )
     res.put("startup", "graphattn", out)
     res.save()
+
+
+def count_cubins(folder: Path) -> int:
+    """Compiled kernels in a Triton cache folder (one ``.cubin`` per kernel compiled)."""
+    return sum(1 for _ in folder.rglob("*.cubin")) if folder.is_dir() else 0
 
 
 def run_child(job: dict, env: dict, timeout_s: float) -> dict:
@@ -2027,7 +2038,7 @@ def table_startup(data: dict) -> list[str]:
             continue
         r = e.get(name) or {}
         if r.get("status", "ok") != "ok":
-            rows.append([name, r.get("status", "")[:80], "", "", "", "", "", "", ""])
+            rows.append([name, r.get("status", "")[:80], "", "", "", "", "", "", "", ""])
             continue
         compile_info = r.get("compile") or {}
         rows.append(
@@ -2041,6 +2052,7 @@ def table_startup(data: dict) -> list[str]:
                 _f(r.get("process_s")),
                 str(r.get("compile_warm")),
                 str(compile_info.get("trace_source", "")),
+                str(r.get("triton_compiles", "-")),
             ]
         )
     header = [
@@ -2053,6 +2065,7 @@ def table_startup(data: dict) -> list[str]:
         "process s",
         "warm",
         "trace from",
+        "Triton compiles",
     ]
     lines += _rows_table(header, rows)
     sizes = (e.get("cold") or {}).get("capture_sizes")

@@ -55,6 +55,8 @@ def test_every_part_writes_its_entry(smoke_run):
     )
     startup = data["startup"]["graphattn"]
     assert [startup[p]["status"] for p in ("cold", "warm", "warm_no_pyc")] == ["ok"] * 3
+    # no Triton kernel compiles on the CPU: every process added no .cubin
+    assert [startup[p]["triton_compiles"] for p in ("cold", "warm", "warm_no_pyc")] == [0] * 3
     for process in ("cold", "warm", "warm_no_pyc"):  # --profile-startup: one cProfile text each
         profile = (out.parent / "prof" / f"startup-{process}.txt").read_text()
         assert "function calls" in profile and "engine.py" in profile
@@ -63,6 +65,16 @@ def test_every_part_writes_its_entry(smoke_run):
     assert "reduction kernel" in data["meta"]["split_kv_merge"]  # the default, variable unset
     assert "GRAPHATTN_FUSED_SPLIT_MERGE" not in data["meta"]["env"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_cubins_are_counted_through_the_cache_folders(tmp_path):
+    """The start-up part's triton_compiles: .cubin files anywhere below Triton's folder."""
+    assert decode.count_cubins(tmp_path / "absent") == 0
+    for i, name in enumerate(("_gemv_kernel.cubin", "_gemv_kernel.json", "x.cubin")):
+        folder = tmp_path / f"HASH{i}"
+        folder.mkdir()
+        (folder / name).write_bytes(b"")
+    assert decode.count_cubins(tmp_path) == 2
 
 
 def test_an_unavailable_configuration_is_recorded_and_the_run_goes_on(tmp_path):
