@@ -148,8 +148,8 @@ def pin_ptxas(device: torch.device) -> str:
     compiles or loads a kernel in the main process (``_set_triton_ptxas_path``, where torch
     ships one). A cold start reaches that point after graphattn's kernels compiled, a start
     from the caches before any of them: it missed Triton's cache for every kernel the cold
-    start wrote and compiled them again, one after another in its capture (15 kernels, about
-    4 s on the H200 machine, round 26). Making Inductor's choice first, in every process, keys
+    start wrote and compiled them again, one after another in its capture (15 kernels, 2-4 s
+    on the H200 machine, round 26). Making Inductor's choice first, in every process, keys
     every start alike. A ``TRITON_PTXAS_PATH`` the user set is kept (Inductor keeps it too).
     """
     if device.type != "cuda":
