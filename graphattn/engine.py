@@ -47,6 +47,8 @@ class CompiledModel:
         self.config = config
         self.device, self.dtype = _device_and_dtype(model, config)
         self.kernel_settings = _kernel_settings(self.device)  # a bad variable fails here
+        # before anything compiles, so every process keys Triton's cache alike
+        self.kernel_settings["ptxas"] = precompile.pin_ptxas(self.device)
         self.precompile_threads = envs.precompile_threads()
         self.input_staging, staging_note = _input_staging()
         self.kv_cache_dtype = (
@@ -348,18 +350,13 @@ _INFERENCE_MODE_GUARD = getattr(torch._C, "_InferenceMode", None)
 
 def _kernel_settings(device: torch.device) -> dict[str, str]:
     """How graphattn's kernels launch on ``device``, as the environment sets it: PDL
-    (``GRAPHATTN_PDL``), where split-KV results merge (``GRAPHATTN_FUSED_SPLIT_MERGE``), and
-    the ptxas that compiles them (``precompile.pin_ptxas``, which settles it now)."""
+    (``GRAPHATTN_PDL``) and where split-KV results merge (``GRAPHATTN_FUSED_SPLIT_MERGE``)."""
     try:
         merge = attention_plan.describe_merge()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     envs.inductor_pdl()  # read now, so a bad value fails before anything is allocated
-    return {
-        "pdl": pdl.describe(device),
-        "split_kv_merge": merge,
-        "ptxas": precompile.pin_ptxas(device),  # before anything compiles: one cache key
-    }
+    return {"pdl": pdl.describe(device), "split_kv_merge": merge}
 
 
 def _inductor_pdl(device: torch.device, mode: CUDAGraphMode, backend: str) -> tuple[bool, str]:
