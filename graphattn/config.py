@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ _DTYPES = {
     "float": torch.float32,
 }
 COMPILE_BACKENDS = ("inductor", "eager", "none")
+# max_model_len=None: this, or less where the model declares fewer positions
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def parse_dtype(value: torch.dtype | str | None, what: str) -> torch.dtype | None:
@@ -54,7 +57,9 @@ class CompileConfig:
     Sizes:
         max_num_seqs: most requests in one step.
         max_num_tokens: most tokens (summed over requests) in one step.
-        max_model_len: most tokens in one request (computed plus new).
+        max_model_len: most tokens in one request (computed plus new); None takes 8192, or
+            the model's ``config.max_position_embeddings`` where that is smaller. The engine
+            refuses a value above what the model declares (its rotary table ends there).
         block_size: tokens per KV-cache block as the caller's block ids count them.
         num_blocks: blocks in the KV cache of every layer.
     Numerics:
@@ -82,12 +87,11 @@ class CompileConfig:
         strict: raise instead of lowering the mode (a fallback becomes an error).
         debug: extra checks (input addresses at replay, recompiles raise, a warm start
             traces anyway and compares with the trace cache's graph).
-        seed: seed for the example prompts of the demo and benchmark.
     """
 
     max_num_seqs: int = 128
     max_num_tokens: int = 4096
-    max_model_len: int = 8192
+    max_model_len: int | None = None
     block_size: int = 16
     num_blocks: int = 1024
     dtype: torch.dtype | str | None = None
@@ -104,18 +108,25 @@ class CompileConfig:
     debug_dump_path: str | None = None
     strict: bool = False
     debug: bool = field(default_factory=envs.debug)
-    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_tokens", "max_model_len", "block_size", "num_blocks"):
             value = getattr(self, name)
+            if value is None and name == "max_model_len":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         self._set("dtype", parse_dtype(self.dtype, "dtype"))
+        if self.kv_cache_dtype is None:
+            raise ConfigError('kv_cache_dtype must be "auto" or a float dtype, got None')
         if self.kv_cache_dtype != "auto":
             parse_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            raise ConfigError(
+                f"attention_backend must be a backend name or None, got {self.attention_backend!r}"
+            )
         try:
             self._set("cudagraph_mode", CUDAGraphMode.parse(self.cudagraph_mode))
         except ValueError as e:
@@ -129,6 +140,13 @@ class CompileConfig:
         if self.cudagraph_capture_sizes is not None:
             sizes = _positive_sizes(self.cudagraph_capture_sizes, "cudagraph_capture_sizes")
             self._set("cudagraph_capture_sizes", sizes)
+            usable = [n for n in sizes if n <= self.max_num_tokens]
+            if not usable and self.cudagraph_mode != CUDAGraphMode.NONE:
+                raise ConfigError(
+                    f"cudagraph_mode {self.cudagraph_mode} needs a capture size <= "
+                    f"max_num_tokens={self.max_num_tokens}, got cudagraph_capture_sizes="
+                    f"{list(sizes)} (cudagraph_mode='NONE' runs without graphs)"
+                )
         if self.splitting_ops is not None:
             if isinstance(self.splitting_ops, str) or not all(
                 isinstance(op, str) for op in self.splitting_ops
@@ -137,8 +155,15 @@ class CompileConfig:
                     f"splitting_ops must be a list of op names, got {self.splitting_ops!r}"
                 )
             self._set("splitting_ops", tuple(self.splitting_ops))
-        if not isinstance(self.trace_cache, bool):
-            raise ConfigError(f"trace_cache must be True or False, got {self.trace_cache!r}")
+        for name in ("trace_cache", "strict", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("cache_dir", "debug_dump_path"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ConfigError(f"{name} must be a folder path or None, got {value!r}")
+            if value is not None:
+                self._set(name, os.fspath(value))
         if isinstance(self.passes, str) or not all(isinstance(p, str) for p in self.passes):
             raise ConfigError(f"passes must be a list of pass names, got {self.passes!r}")
         self._set("passes", tuple(self.passes))
@@ -148,8 +173,27 @@ class CompileConfig:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        """Width of a request's block table: enough blocks for ``max_model_len`` tokens."""
+        """Width of a request's block table: enough blocks for ``max_model_len`` tokens
+        (an engine's config, whose ``max_model_len`` the engine has resolved)."""
+        if self.max_model_len is None:
+            raise ConfigError("max_model_len=None is resolved by the engine (engine.config)")
         return -(-self.max_model_len // self.block_size)
+
+    def resolved_max_model_len(self, model_positions: int | None) -> tuple[int, str]:
+        """``max_model_len`` for a model that declares ``model_positions`` positions (None:
+        declares none), and where the value came from; a value above the model's is a
+        ``ConfigError``."""
+        if self.max_model_len is not None:
+            if model_positions is not None and self.max_model_len > model_positions:
+                raise ConfigError(
+                    f"max_model_len={self.max_model_len} exceeds the model's "
+                    f"max_position_embeddings={model_positions}: positions past it have no "
+                    "rotary embedding"
+                )
+            return self.max_model_len, "set"
+        if model_positions is not None and model_positions < DEFAULT_MAX_MODEL_LEN:
+            return model_positions, "the model's max_position_embeddings"
+        return DEFAULT_MAX_MODEL_LEN, "the default"
 
     def resolved_compile_sizes(
         self,
@@ -177,6 +221,11 @@ class CompileConfig:
     @classmethod
     def from_kwargs(cls, config: CompileConfig | None, **overrides: Any) -> CompileConfig:
         """``config`` (or the defaults) with keyword overrides; an unknown key is an error."""
+        if config is not None and not isinstance(config, CompileConfig):
+            raise ConfigError(
+                f"config must be a CompileConfig (or pass its fields as keywords), got "
+                f"{type(config).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:

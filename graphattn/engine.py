@@ -44,7 +44,10 @@ class CompiledModel:
     def __init__(self, model: nn.Module, config: CompileConfig) -> None:
         start = time.perf_counter()
         self.model = model
-        self.config = config
+        max_model_len, self.max_model_len_from = config.resolved_max_model_len(
+            _declared_positions(model)
+        )
+        self.config = config = config.replace(max_model_len=max_model_len)
         self.device, self.dtype = _device_and_dtype(model, config)
         self.kernel_settings = _kernel_settings(self.device)  # a bad variable fails here
         # before anything compiles, so every process keys Triton's cache alike
@@ -328,6 +331,7 @@ class CompiledModel:
             "num_blocks": self.kv_cache.num_blocks,
             "block_size": self.kv_cache.block_size,
             "MiB": round(self.kv_cache.nbytes / 2**20, 1),
+            "max_model_len": f"{self.config.max_model_len} ({self.max_model_len_from})",
         }
         return Report(
             str(self.device),
@@ -435,6 +439,13 @@ def find_attention_layers(model: nn.Module) -> dict[str, Attention]:
             "attention goes through ga.Attention"
         )
     return layers
+
+
+def _declared_positions(model: nn.Module) -> int | None:
+    """The positions the model says it can embed (``model.config.max_position_embeddings``,
+    the Hugging Face convention graphattn's models follow), or None."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _device_and_dtype(model: nn.Module, config: CompileConfig) -> tuple[torch.device, torch.dtype]:

@@ -26,8 +26,12 @@ def cache_root() -> str:
 
 
 def debug() -> bool:
-    """``GRAPHATTN_DEBUG=1`` turns on debug checks (address checks at replay, strict recompiles)."""
-    return os.environ.get("GRAPHATTN_DEBUG", "0") not in ("", "0")
+    """``GRAPHATTN_DEBUG=1`` turns on debug checks (address checks at replay, strict recompiles);
+    unset, empty or ``0`` leaves them off, any other value is an error."""
+    raw = os.environ.get("GRAPHATTN_DEBUG", "0") or "0"
+    if raw not in ("0", "1"):
+        raise ConfigError(f"GRAPHATTN_DEBUG must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def prefetch_mib() -> int:

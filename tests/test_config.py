@@ -20,6 +20,16 @@ from graphattn.capture.mode import CUDAGraphMode
         ("compile_backend", "tvm", "compile_backend must be one of"),
         ("cudagraph_capture_sizes", (1, 0), "must hold positive ints"),
         ("splitting_ops", "graphattn::x", "list of op names"),
+        ("strict", "yes", "strict must be True or False, got 'yes'"),
+        ("debug", "no", "debug must be True or False, got 'no'"),
+        ("trace_cache", 1, "trace_cache must be True or False"),
+        ("cache_dir", 5, "cache_dir must be a folder path or None, got 5"),
+        ("debug_dump_path", ["x"], "debug_dump_path must be a folder path or None"),
+        ("kv_cache_dtype", None, 'kv_cache_dtype must be "auto" or a float dtype, got None'),
+        ("attention_backend", 123, "attention_backend must be a backend name or None, got 123"),
+        ("max_model_len", 0, "max_model_len must be a positive int, got 0"),
+        ("cudagraph_capture_sizes", (8192,), r"needs a capture size <= max_num_tokens=4096"),
+        ("cudagraph_capture_sizes", (), r"got cudagraph_capture_sizes=\[\]"),
     ],
 )
 def test_bad_fields(field, value, message):
@@ -65,3 +75,52 @@ def test_default_passes_are_the_pass_managers():
     from graphattn.passes.pass_manager import DEFAULT_PASSES
 
     assert ga.CompileConfig().passes == DEFAULT_PASSES
+
+
+def test_paths_and_sizes_without_graphs():
+    from pathlib import Path
+
+    cfg = ga.CompileConfig(
+        cache_dir=Path("/tmp/x"), cudagraph_mode="NONE", cudagraph_capture_sizes=()
+    )
+    assert cfg.cache_dir == "/tmp/x" and cfg.cudagraph_capture_sizes == ()
+
+
+def test_config_must_be_a_compile_config():
+    with pytest.raises(ga.ConfigError, match=r"config must be a CompileConfig .* got dict"):
+        ga.CompileConfig.from_kwargs({"max_num_seqs": 4})
+    with pytest.raises(ga.ConfigError, match=r"unknown CompileConfig field\(s\) \['seed'\]"):
+        ga.CompileConfig.from_kwargs(None, seed=1)  # it configured nothing, and is gone
+
+
+@pytest.mark.parametrize("raw, expected", [("", False), ("0", False), ("1", True), ("no", None)])
+def test_debug_variable(monkeypatch, raw, expected):
+    monkeypatch.setenv("GRAPHATTN_DEBUG", raw)
+    if expected is None:
+        with pytest.raises(ga.ConfigError, match="GRAPHATTN_DEBUG must be 0 or 1, got 'no'"):
+            ga.CompileConfig()
+    else:
+        assert ga.CompileConfig().debug is expected
+
+
+@pytest.mark.parametrize(
+    "requested, declared, expected",
+    [
+        (None, 2048, (2048, "the model's max_position_embeddings")),
+        (None, 131072, (8192, "the default")),
+        (None, None, (8192, "the default")),
+        (1024, 2048, (1024, "set")),
+        (2048, 2048, (2048, "set")),
+        (4096, 2048, None),
+    ],
+)
+def test_max_model_len_against_the_model(requested, declared, expected):
+    cfg = ga.CompileConfig(max_model_len=requested)
+    if expected is None:
+        with pytest.raises(ga.ConfigError, match="max_model_len=4096 exceeds the model's max_pos"):
+            cfg.resolved_max_model_len(declared)
+    else:
+        assert cfg.resolved_max_model_len(declared) == expected
+    if requested is None:
+        with pytest.raises(ga.ConfigError, match="resolved by the engine"):
+            _ = cfg.max_blocks_per_seq
