@@ -56,7 +56,7 @@ class Batch:
     def from_requests(cls, requests: Sequence[Request]) -> Batch:
         """Arrays from ``Request`` objects; a malformed request is an ``InvalidBatchError``."""
         token_lists = [_token_array(i, r.token_ids) for i, r in enumerate(requests)]
-        blocks = [_int_list(i, "block_ids", r.block_ids) for i, r in enumerate(requests)]
+        blocks = [_int_list(i, "block_ids", r.block_ids, _INT32) for i, r in enumerate(requests)]
         computed = [_nonnegative(i, r.num_computed_tokens) for i, r in enumerate(requests)]
         width = max((len(b) for b in blocks), default=0)
         table = np.full((len(requests), max(width, 1)), -1, dtype=np.int32)
@@ -84,33 +84,55 @@ class Batch:
 
         ``num_block_ids`` defaults to every entry of ``block_table`` being valid.
         """
-        table = _int_array("block_table", block_table, np.int32)
-        if table.ndim != 2 or table.shape[0] != len(query_lens):
-            raise InvalidBatchError(
-                f"block_table must be [num_reqs={len(query_lens)}, max_blocks], "
-                f"got shape {list(table.shape)}"
-            )
+        query_lens = _int_array("query_lens", query_lens, np.int32, ndim=1)
+        computed = _int_array("num_computed_tokens", num_computed_tokens, np.int32, ndim=1)
+        table = _int_array("block_table", block_table, np.int32, ndim=2)
+        num_reqs = len(query_lens)
         if num_block_ids is None:
-            num_block_ids = np.full(table.shape[0], table.shape[1], dtype=np.int32)
+            num_block_ids = np.full(num_reqs, table.shape[1], dtype=np.int32)
+        declared = _int_array("num_block_ids", num_block_ids, np.int32, ndim=1)
+        if not len(computed) == len(declared) == table.shape[0] == num_reqs:
+            raise InvalidBatchError(
+                f"query_lens gives {num_reqs} requests: num_computed_tokens and num_block_ids "
+                f"must have {num_reqs} entries and block_table {num_reqs} rows, got "
+                f"{len(computed)}, {len(declared)} and shape {list(table.shape)}"
+            )
         return cls(
-            token_ids=_int_array("token_ids", token_ids, np.int64).reshape(-1),
-            query_lens=_int_array("query_lens", query_lens, np.int32),
-            num_computed_tokens=_int_array("num_computed_tokens", num_computed_tokens, np.int32),
+            token_ids=_int_array("token_ids", token_ids, np.int64, ndim=1),
+            query_lens=query_lens,
+            num_computed_tokens=computed,
             block_table=table,
-            num_block_ids=_int_array("num_block_ids", num_block_ids, np.int32),
+            num_block_ids=declared,
         )
 
 
-def _int_array(name: str, values: object, dtype: type) -> np.ndarray:
-    """``values`` as a host integer array; floats, bools and device tensors are errors."""
+def _int_array(name: str, values: object, dtype: type, *, ndim: int) -> np.ndarray:
+    """``values`` as a host integer array of ``ndim`` dimensions and ``dtype``; floats,
+    bools, device tensors and values ``dtype`` cannot hold are errors (numpy would wrap
+    them: a block id of 2**32 would become 0)."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise InvalidBatchError(f"{name} must be on the CPU, got a tensor on {values.device}")
         values = values.numpy()
     array = np.asarray(values)
+    if array.ndim != ndim:
+        raise InvalidBatchError(
+            f"{name} must have {ndim} dimension(s), got shape {list(array.shape)}"
+        )
+    if array.dtype == dtype:
+        return array
     if array.size and array.dtype.kind not in "iu":
         raise InvalidBatchError(f"{name} must hold integers, got dtype {array.dtype}")
-    return array.astype(dtype, copy=False)
+    if array.size and not np.can_cast(array.dtype, dtype):
+        info = np.iinfo(dtype)
+        low, high = array.min(), array.max()
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise InvalidBatchError(
+                f"{name} holds {bad}, outside the {np.dtype(dtype).name} range "
+                f"[{info.min}, {info.max}]"
+            )
+    return array.astype(dtype)
 
 
 def _token_array(index: int, token_ids: object) -> np.ndarray:
@@ -119,22 +141,37 @@ def _token_array(index: int, token_ids: object) -> np.ndarray:
             token_ids.device.type != "cpu"
             or token_ids.is_floating_point()
             or token_ids.is_complex()
+            or token_ids.dtype == torch.bool
         ):
             raise InvalidBatchError(
                 f"request {index}: token_ids must be integers on the CPU, got a "
                 f"{token_ids.dtype} tensor on {token_ids.device}"
             )
         return token_ids.reshape(-1).numpy().astype(np.int64)
-    return np.asarray(_int_list(index, "token_ids", token_ids), dtype=np.int64)
+    return np.asarray(_int_list(index, "token_ids", token_ids, _INT64), dtype=np.int64)
 
 
-def _int_list(index: int, what: str, values: object) -> list[int]:
+def _int_list(index: int, what: str, values: object, bounds: tuple[int, int]) -> list[int]:
+    """``values`` as a list of ints within ``bounds`` (inclusive: what the batch's array for
+    them holds)."""
     if isinstance(values, np.ndarray):
         if values.dtype.kind not in "iu":
             raise InvalidBatchError(f"request {index}: {what} must be integers, got {values.dtype}")
-        return values.reshape(-1).tolist()
-    if isinstance(values, torch.Tensor):
-        return _token_array(index, values).tolist()
+        items = values.reshape(-1).tolist()
+    elif isinstance(values, torch.Tensor):
+        items = _token_array(index, values).tolist()
+    else:
+        items = _plain_ints(index, what, values)
+    low, high = bounds
+    out_of_range = [v for v in items if not low <= v <= high]
+    if out_of_range:
+        raise InvalidBatchError(
+            f"request {index}: {what} holds {out_of_range[0]}, outside [{low}, {high}]"
+        )
+    return items
+
+
+def _plain_ints(index: int, what: str, values: object) -> list[int]:
     try:
         items = list(values)  # type: ignore[call-overload]
     except TypeError:
@@ -148,8 +185,17 @@ def _int_list(index: int, what: str, values: object) -> list[int]:
 
 
 def _nonnegative(index: int, value: object) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+    if (
+        not isinstance(value, (int, np.integer))
+        or isinstance(value, bool)
+        or not 0 <= value <= _INT32[1]
+    ):
         raise InvalidBatchError(
-            f"request {index}: num_computed_tokens must be an int >= 0, got {value!r}"
+            f"request {index}: num_computed_tokens must be an int in [0, {_INT32[1]}], "
+            f"got {value!r}"
         )
     return int(value)
+
+
+_INT32 = (-(2**31), 2**31 - 1)  # what the batch's int32 arrays hold
+_INT64 = (-(2**63), 2**63 - 1)

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from graphattn.batch import Batch
-from graphattn.errors import InvalidInputError
+from graphattn.errors import InvalidInputError, OutOfBlocksError
 from graphattn.sampling import greedy
 
 if TYPE_CHECKING:
@@ -46,31 +47,38 @@ def generate(
     for its whole length (prompt plus ``max_new_tokens``) are allocated when it joins and
     freed when it finishes, so a running request never waits for blocks.
     """
-    cfg = engine.config
-    _check_prompts(prompts, max_new_tokens, cfg.max_model_len, engine.kv_cache)
-    waiting = deque(_Sequence(i, list(p), len(p)) for i, p in enumerate(prompts))
+    prompts = _check_prompts(
+        prompts, max_new_tokens, eos_token_id, engine.runner.limits, engine.kv_cache
+    )
+    waiting = deque(_Sequence(i, p, len(p)) for i, p in enumerate(prompts))
     running: list[_Sequence] = []
     results: list[list[int]] = [[] for _ in prompts]
-    while waiting or running:
-        scheduled = _schedule(engine, waiting, running, max_new_tokens)
-        batch = _to_batch(scheduled, engine.kv_cache.block_size)
-        hidden = engine.step(batch, clone=False)  # read below, before the next step
-        ends = np.cumsum(batch.query_lens) - 1
-        sampling = [
-            i for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)
-        ]
-        next_tokens = []
-        if sampling:
-            next_tokens = greedy(engine.compute_logits(hidden[ends[sampling]])).tolist()
-        for seq, n in scheduled:
-            seq.num_computed += n
-        for i, token in zip(sampling, next_tokens):
-            seq = scheduled[i][0]
-            seq.tokens.append(token)
-            if seq.num_generated >= max_new_tokens or token == eos_token_id:
-                running.remove(seq)
-                engine.kv_cache.free(seq.blocks)
-                results[seq.index] = seq.tokens[seq.prompt_len :]
+    try:
+        while waiting or running:
+            scheduled = _schedule(engine, waiting, running, max_new_tokens)
+            batch = _to_batch(scheduled, engine.kv_cache.block_size)
+            hidden = engine.step(batch, clone=False)  # read below, before the next step
+            ends = np.cumsum(batch.query_lens) - 1
+            sampling = [
+                i for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)
+            ]
+            next_tokens = []
+            if sampling:
+                next_tokens = greedy(engine.compute_logits(hidden[ends[sampling]])).tolist()
+            for seq, n in scheduled:
+                seq.num_computed += n
+            for i, token in zip(sampling, next_tokens):
+                seq = scheduled[i][0]
+                seq.tokens.append(token)
+                if seq.num_generated >= max_new_tokens or token == eos_token_id:
+                    running.remove(seq)
+                    engine.kv_cache.free(seq.blocks)
+                    results[seq.index] = seq.tokens[seq.prompt_len :]
+    except BaseException:
+        # the blocks this call holds go back, so a failed call leaves the allocator as it was
+        for seq in running:
+            engine.kv_cache.free(seq.blocks)
+        raise
     return results
 
 
@@ -89,6 +97,12 @@ def _schedule(
         seq = waiting[0]
         need = kv.blocks_for(seq.prompt_len + max_new_tokens)
         if need > kv.num_free_blocks:
+            if not running:  # no request will finish and free blocks: it can never start
+                raise OutOfBlocksError(
+                    f"prompt {seq.index} needs {need} KV-cache blocks and only "
+                    f"{kv.num_free_blocks} of {kv.num_blocks} are free (the others are "
+                    "held outside generate)"
+                )
             break
         waiting.popleft()
         seq.blocks = kv.allocate(need)
@@ -116,20 +130,52 @@ def _to_batch(scheduled: list[tuple[_Sequence, int]], block_size: int) -> Batch:
     )
 
 
-def _check_prompts(prompts, max_new_tokens, max_model_len, kv_cache) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+def _check_prompts(prompts, max_new_tokens, eos_token_id, limits, kv_cache) -> list[list[int]]:
+    """The prompts as lists of ints, after every check a step would make of them, so that a
+    bad prompt is an error before anything is allocated or run."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
+    if eos_token_id is not None and not _is_int(eos_token_id):
+        raise InvalidInputError(f"eos_token_id must be an int or None, got {eos_token_id!r}")
+    checked = []
+    for i, prompt in enumerate(_as_list(prompts, "prompts must be a list of token-id lists")):
+        tokens = _as_list(prompt, f"prompt {i} must be a list of token ids")
+        if not tokens:
             raise InvalidInputError(f"prompt {i} is empty")
-        total = len(prompt) + max_new_tokens
-        if total > max_model_len:
+        bad = [t for t in tokens if not _is_int(t)]
+        if bad:
+            raise InvalidInputError(f"prompt {i}: token ids must be ints, got {bad[0]!r}")
+        vocab = limits.vocab_size
+        outside = [t for t in tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if outside:
             raise InvalidInputError(
-                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it "
-                f"needs {total} > max_model_len={max_model_len}"
+                f"prompt {i}: token id {outside[0]} is outside the vocabulary "
+                f"[0, {vocab if vocab is not None else 'inf'})"
+            )
+        total = len(tokens) + max_new_tokens
+        if total > limits.max_model_len:
+            raise InvalidInputError(
+                f"prompt {i} has {len(tokens)} tokens; with max_new_tokens={max_new_tokens} it "
+                f"needs {total} > max_model_len={limits.max_model_len}"
             )
         if kv_cache.blocks_for(total) > kv_cache.num_blocks:
             raise InvalidInputError(
                 f"prompt {i} needs {kv_cache.blocks_for(total)} blocks; the cache has "
                 f"{kv_cache.num_blocks}"
             )
+        checked.append([int(t) for t in tokens])
+    return checked
+
+
+def _as_list(values: object, expected: str) -> list:
+    """``values`` as a list (arrays and tensors through ``tolist``); a str, a scalar or
+    anything else not iterable is an ``InvalidInputError`` saying ``expected``."""
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        values = values.tolist()
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise InvalidInputError(f"{expected}, got {type(values).__name__}")
+    return list(values)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

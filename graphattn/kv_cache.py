@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphattn.errors import ConfigError, OutOfBlocksError
+from graphattn.errors import ConfigError, InvalidInputError, OutOfBlocksError
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free block ids; on exhaustion raises and allocates nothing."""
-        if n < 0:
-            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise InvalidInputError(f"the number of blocks must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise OutOfBlocksError(
                 f"asked for {n} KV-cache blocks but only {len(self._free)} of "
@@ -140,7 +140,15 @@ class BlockAllocator:
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Return blocks to the pool; an id that is not allocated raises and frees nothing."""
-        ids = list(block_ids)
+        try:
+            ids = list(block_ids)
+        except TypeError:
+            raise InvalidInputError(
+                f"block_ids must be a sequence of ints, got {type(block_ids).__name__}"
+            ) from None
+        not_ints = [b for b in ids if not isinstance(b, (int, np.integer)) or isinstance(b, bool)]
+        if not_ints:
+            raise InvalidInputError(f"block ids must be ints, got {not_ints[0]!r}")
         bad = [b for b in ids if not (0 <= b < self.num_blocks) or not self._in_use[b]]
         if bad or len(set(ids)) != len(ids):
             raise OutOfBlocksError(

@@ -22,9 +22,11 @@ _MAX_VOCAB = 2**31 - 1  # graphattn.kernels.argmax.MAX_VOCAB, without importing 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` for ``[T, V]`` logits: int64 ``[T]``."""
-    if logits.dim() != 2 or not logits.is_floating_point():
+    if not isinstance(logits, torch.Tensor):
+        raise InvalidInputError(f"greedy expects a tensor of logits, got {type(logits).__name__}")
+    if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[1] == 0:
         raise InvalidInputError(
-            f"greedy expects [num_tokens, vocab] floating-point logits, got "
+            f"greedy expects [num_tokens, vocab >= 1] floating-point logits, got "
             f"{logits.dtype} of shape {list(logits.shape)}"
         )
     rows, vocab = logits.shape

@@ -29,6 +29,11 @@ def check_batch(batch: Batch, limits: BatchLimits) -> int:
 
     Vectorized over requests: its cost must stay small next to a decode step.
     """
+    if not isinstance(batch, Batch):
+        raise InvalidBatchError(
+            f"expected a graphattn Batch (Batch.from_requests or Batch.from_arrays), got "
+            f"{type(batch).__name__}"
+        )
     r, t = batch.num_reqs, batch.num_tokens
     if r == 0:
         raise InvalidBatchError("the batch has no requests")

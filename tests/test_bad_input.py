@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import DEVICES, TableAttentionModel, assert_unchanged, eager_engine, snapshot
@@ -105,3 +106,194 @@ def test_out_of_blocks_is_typed_and_allocates_nothing(engine):
     with pytest.raises(ga.OutOfBlocksError, match=f"only {free} of 8 are free"):
         engine.kv_cache.allocate(free + 1)
     assert engine.kv_cache.num_free_blocks == free
+
+
+# -- arrays and values a batch's int32 / int64 arrays cannot hold ----------------------------
+
+
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        # numpy would wrap 2**32 to block 0, another request's block
+        (([5, 6, 7], [3], [0], np.array([[2**32]], np.int64)), "block_table holds 4294967296"),
+        (([5], [1], np.array([2**32 + 20], np.int64), [[0, 1]]), "num_computed_tokens holds"),
+        (([5], np.array([2**31], np.int64), [0], [[0]]), "query_lens holds 2147483648"),
+        (([5], [[1]], [0], [[0]]), r"query_lens must have 1 dimension\(s\), got shape \[1, 1\]"),
+        (([[5]], [1], [0], [[0]]), r"token_ids must have 1 dimension\(s\)"),
+        (([5], [1], [0], [0]), r"block_table must have 2 dimension\(s\)"),
+        (([5, 6], [1, 1], [0], [[0], [1]]), "num_computed_tokens and num_block_ids must have 2"),
+        (([5], [1], [0], [[0], [1]]), r"block_table 1 rows, got 1, 1 and shape \[2, 1\]"),
+        (([True], [1], [0], [[0]]), "token_ids must hold integers, got dtype bool"),
+    ],
+)
+def test_from_arrays_rejects_what_its_arrays_cannot_hold(engine, arrays, message):
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        engine.step(ga.Batch.from_arrays(*arrays))
+    assert_unchanged(engine, snap)
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (R([2**70], 0, [0]), r"token_ids holds 1180591620717411303424, outside"),
+        (R([1], 2**32, [0]), r"num_computed_tokens must be an int in \[0, 2147483647\]"),
+        (R([1], 20, [0, 2**40]), r"block_ids holds 1099511627776, outside"),
+        (
+            R(torch.tensor([True]), 0, [0]),
+            "token_ids must be integers on the CPU, got a torch.bool",
+        ),
+        (R(np.array([2**63], np.uint64), 0, [0]), "token_ids holds 9223372036854775808"),
+    ],
+)
+def test_request_values_out_of_range(engine, request_, message):
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        engine.step(ga.Batch.from_requests([request_]))
+    assert_unchanged(engine, snap)
+
+
+@pytest.mark.parametrize("batch", [[R([1], 0, [0])], None, "batch"])
+def test_step_takes_only_a_batch(engine, batch):
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidBatchError, match="expected a graphattn Batch"):
+        engine.step(batch)
+    assert_unchanged(engine, snap)
+    assert engine.stats.steps == 1
+
+
+@pytest.mark.parametrize("n", [-1, 1.5, True, "2", None])
+def test_allocate_takes_a_count(engine, n):
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidInputError, match="number of blocks must be an int >= 0"):
+        engine.kv_cache.allocate(n)
+    assert_unchanged(engine, snap)
+
+
+@pytest.mark.parametrize(
+    "ids, error, message",
+    [
+        (0, ga.InvalidInputError, "block_ids must be a sequence of ints, got int"),
+        ([1.5], ga.InvalidInputError, "block ids must be ints, got 1.5"),
+        ([True], ga.InvalidInputError, "block ids must be ints, got True"),
+        ([0, 0], ga.OutOfBlocksError, "distinct allocated ids"),
+        ([7], ga.OutOfBlocksError, r"cannot free block ids \[7\]"),
+    ],
+)
+def test_free_takes_allocated_ids(engine, ids, error, message):
+    snap = snapshot(engine)
+    with pytest.raises(error, match=message):
+        engine.kv_cache.free(ids)
+    assert_unchanged(engine, snap)
+
+
+# -- generate: every prompt checked before a block is allocated ------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_engine():
+    from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+
+    cfg = LlamaConfig.tiny(
+        vocab_size=64,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = init_random_weights(LlamaForCausalLM(cfg), seed=3)
+    return eager_engine(
+        model,
+        cudagraph_mode="NONE",
+        max_num_seqs=4,
+        max_num_tokens=64,
+        max_model_len=96,
+        block_size=16,
+        num_blocks=16,
+    )
+
+
+GOOD_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
+
+
+def test_generate_rejects_bad_prompts_and_keeps_every_block(llama_engine):
+    eng = llama_engine
+    expected = eng.generate(GOOD_PROMPTS, 4)
+    free = list(eng.kv_cache.allocator._free)
+    bad_calls = {
+        "token outside the vocabulary": (([[1, 2, 64]], 4), "token id 64 is outside"),
+        "negative token": (([[1, -1]], 4), "token id -1 is outside"),
+        "float tokens": (([[1.7, 2.2]], 4), "token ids must be ints, got 1.7"),
+        "bool token": (([[True, 2]], 4), "token ids must be ints, got True"),
+        "a str prompt": ((["abc"], 4), "prompt 0 must be a list of token ids, got str"),
+        "prompts not a list": ((5, 4), "prompts must be a list of token-id lists, got int"),
+        "bool max_new_tokens": (([[1, 2]], True), "max_new_tokens must be a positive int"),
+        "too long": (([[1] * 90], 8), "needs 98 > max_model_len=96"),
+    }
+    for _ in range(len(free) + 1):  # more calls than blocks: a leak would empty the pool
+        for args, message in bad_calls.values():
+            with pytest.raises(ga.InvalidInputError, match=message):
+                eng.generate(*args)
+    assert eng.kv_cache.allocator._free == free
+    assert eng.generate(GOOD_PROMPTS, 4) == expected
+    assert eng.generate([np.array([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8])], 4) == expected
+
+
+def test_generate_without_free_blocks_is_a_typed_error(llama_engine):
+    eng = llama_engine
+    held = eng.kv_cache.allocate(15)
+    try:
+        with pytest.raises(
+            ga.OutOfBlocksError, match="prompt 0 needs 2 KV-cache blocks and only 1"
+        ):
+            eng.generate([[1] * 20], 4)
+        assert eng.kv_cache.num_free_blocks == 1
+    finally:
+        eng.kv_cache.free(held)
+
+
+def test_generate_that_fails_midway_gives_its_blocks_back(llama_engine, monkeypatch):
+    eng = llama_engine
+    free = list(eng.kv_cache.allocator._free)
+    real_step, calls = eng.step, []
+
+    def failing_step(batch, **kwargs):
+        calls.append(batch.num_reqs)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return real_step(batch, **kwargs)
+
+    monkeypatch.setattr(eng, "step", failing_step)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        eng.generate(GOOD_PROMPTS, 4)
+    monkeypatch.undo()
+    assert sorted(eng.kv_cache.allocator._free) == sorted(free)
+    assert not eng.kv_cache.allocator._in_use.any()
+
+
+def test_max_model_len_stays_within_the_models_positions():
+    """The tiny Llama embeds 2048 positions: by default the engine takes that many, a larger
+    max_model_len is refused at start-up, and a step past the table is a typed error."""
+    from graphattn.models import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig.tiny(
+        vocab_size=64,
+        num_hidden_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    assert cfg.max_position_embeddings == 2048
+    model = LlamaForCausalLM(cfg)
+    sizes = dict(max_num_seqs=2, max_num_tokens=64, block_size=256, num_blocks=10)
+    with pytest.raises(ga.ConfigError, match="max_model_len=4096 exceeds the model's"):
+        eager_engine(model, max_model_len=4096, **sizes)
+    eng = eager_engine(model, **sizes)
+    assert eng.config.max_model_len == 2048
+    assert eng.report.kv_cache["max_model_len"] == "2048 (the model's max_position_embeddings)"
+    snap = snapshot(eng)
+    with pytest.raises(ga.InvalidBatchError, match="max_model_len is 2048"):
+        eng.step(ga.Batch.from_requests([R([1], 2100, list(range(9)))]))
+    assert_unchanged(eng, snap)

@@ -76,6 +76,8 @@ def test_explicit_request_that_cannot_serve_is_an_error(picky):
 def test_unknown_backend_name():
     with pytest.raises(ga.BackendSelectionError, match="unknown attention backend 'NOPE'"):
         ga.Attention(2, 64, 0.1, prefix="x", backend="NOPE")
+    with pytest.raises(ga.BackendSelectionError, match="a backend name must be a str, got 123"):
+        ga.Attention(2, 64, 0.1, prefix="x", backend=123)
 
 
 def test_name_conflict_needs_replace():

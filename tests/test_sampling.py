@@ -61,6 +61,10 @@ def test_greedy_without_the_kernel_and_bad_input():
         ga.greedy(torch.zeros(2, 8, dtype=torch.int64))
     with pytest.raises(ga.InvalidInputError, match=r"shape \[8\]"):
         ga.greedy(torch.randn(8))
+    with pytest.raises(ga.InvalidInputError, match=r"vocab >= 1.*shape \[2, 0\]"):
+        ga.greedy(torch.zeros(2, 0))
+    with pytest.raises(ga.InvalidInputError, match="a tensor of logits, got list"):
+        ga.greedy([[0.5, 1.0]])
 
 
 @pytest.mark.gpu

@@ -42,6 +42,8 @@ def registered_backends() -> dict[str, type[AttentionBackend]]:
 def get_backend(name: str) -> type[AttentionBackend]:
     """The backend registered as ``name`` (case-insensitive)."""
     _ensure_builtins()
+    if not isinstance(name, str):
+        raise BackendSelectionError(f"a backend name must be a str, got {name!r}")
     key = name.upper()
     if key not in _BACKENDS:
         raise BackendSelectionError(
