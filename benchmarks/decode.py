@@ -457,7 +457,7 @@ def measure_floor(model: LlamaForCausalLM, s: Settings) -> dict:
         "floor_ms_by_batch": per_batch,
         "method": "bandwidth = (bytes read + bytes written) / median time of 20 device-to-device "
         "copies of a random buffer (after 3 warm-up); floor_all_weights_ms = every weight byte "
-        "(DESIGN's definition); floor_weights_read_ms leaves out the embedding table, of which "
+        "(the issue's definition); floor_weights_read_ms leaves out the embedding table, of which "
         "a decode step reads B rows; floor_ms_by_batch adds the step's KV-cache read",
     }
 

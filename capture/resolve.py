@@ -1,6 +1,6 @@
 """Mode resolution: lower the requested CUDA-graph mode to what every backend allows, with reasons.
 
-The rules (DESIGN §5), applied in order, each to the result of the one before:
+The rules (docs/modes.md), applied in order, each to the result of the one before:
 
 1. The mixed-batch mode is FULL and support is below ALWAYS: NEVER raises; otherwise the
    mode becomes FULL_AND_PIECEWISE if attention is compiled piecewise, else FULL_DECODE_ONLY.

@@ -50,5 +50,7 @@ class ForwardContextError(GraphAttnError, RuntimeError):
 class FallbackWarning(UserWarning):
     """A requested mode or feature was lowered at start-up; the message says why.
 
-    Turn it into an error with ``-W error::graphattn.FallbackWarning`` or ``strict=True``.
+    Turn it into an error with ``warnings.simplefilter("error", FallbackWarning)`` or
+    ``strict=True`` (the ``-W`` command-line option cannot name a class of an installed
+    package: Python resolves it before the package can be imported).
     """

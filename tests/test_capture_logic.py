@@ -20,7 +20,7 @@ from graphattn.capture.resolve import resolve_cudagraph_mode
 from graphattn.capture.sizes import clip_capture_sizes, default_capture_sizes
 
 # requested mode, support, attention split ("P" yes, "-" no, "*" either), decode query
-# length ("*" for 1 and 2) -> resolved mode or "error". Written from DESIGN §5 by hand.
+# length ("*" for 1 and 2) -> resolved mode or "error". Written from docs/modes.md's rules by hand.
 TABLE = """
 NONE               *              * *  NONE
 PIECEWISE          *              * *  PIECEWISE
