@@ -145,11 +145,12 @@ def resolve_for_engine(
     if mode.has_piecewise_cudagraphs() and not attention_is_splitting_op:
         new = M.FULL_DECODE_ONLY if mode == M.FULL_AND_PIECEWISE else M.NONE
         rule = "piecewise graphs need the model compiled and split at attention"
-        records.append(
-            FallbackRecord(
-                mode, new, rule, backend_name, min_support.name, "mixed batches run without graphs"
-            )
+        cost = (
+            "mixed batches run without graphs"
+            if new == M.FULL_DECODE_ONLY
+            else "every batch runs without graphs"
         )
+        records.append(FallbackRecord(mode, new, rule, backend_name, min_support.name, cost))
         mode = new
     mode, more = resolve_cudagraph_mode(
         mode,

@@ -20,6 +20,7 @@ from graphattn.capture.mode import CUDAGraphMode
 from graphattn.config import CompileConfig
 from graphattn.engine import CompiledModel
 from graphattn.errors import (
+    BackendError,
     BackendSelectionError,
     CaptureError,
     ConfigError,
@@ -44,6 +45,7 @@ __all__ = [
     "AttentionCGSupport",
     "AttentionImpl",
     "AttentionMetadataBuilder",
+    "BackendError",
     "BackendSelectionError",
     "Batch",
     "CUDAGraphMode",

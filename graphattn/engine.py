@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from torch import nn
 
 from graphattn import envs
 from graphattn._logging import logger
+from graphattn.attention.backend import AttentionCGSupport
 from graphattn.attention.forward_context import BoundLayer, set_forward_context
 from graphattn.attention.groups import AttentionGroup, build_attention_groups
 from graphattn.attention.layer import Attention
@@ -22,7 +24,13 @@ from graphattn.capture.manager import CaptureManager
 from graphattn.capture.mode import CUDAGraphMode
 from graphattn.capture.resolve import FallbackRecord, resolve_for_engine
 from graphattn.config import CompileConfig, parse_dtype
-from graphattn.errors import ConfigError, CUDAGraphModeError, FallbackWarning, InvalidInputError
+from graphattn.errors import (
+    BackendError,
+    ConfigError,
+    CUDAGraphModeError,
+    FallbackWarning,
+    InvalidInputError,
+)
 from graphattn.kernels import attention_plan, pdl, precompile, triton_import_error
 from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
@@ -195,12 +203,10 @@ class CompiledModel:
         kv_groups = group_layers_by_spec(specs, kernel_sizes)
 
         def shape_of(name: str, group: KVCacheGroup, kernel_blocks: int) -> tuple[int, ...]:
-            return self.bound[name].backend.get_kv_cache_shape(
-                kernel_blocks,
-                group.kernel_block_size,
-                group.spec.num_kv_heads,
-                group.spec.head_size,
-            )
+            backend = self.bound[name].backend
+            args = (kernel_blocks, group.kernel_block_size, group.spec.num_kv_heads)
+            shape = backend.get_kv_cache_shape(*args, group.spec.head_size)
+            return _checked_cache_shape(backend.get_name(), shape, (*args, group.spec.head_size))
 
         kv_cache = KVCache(kv_groups, self.config.num_blocks, shape_of, self.device)
         for name, b in self.bound.items():
@@ -211,9 +217,14 @@ class CompiledModel:
             group.builder = builder_cls(
                 group.kv_cache_group.spec, group.layer_names, self.config, self.device
             )
-            group.cudagraph_support = builder_cls.get_cudagraph_support(
-                self.config, group.kv_cache_group.spec
-            )
+            support = builder_cls.get_cudagraph_support(self.config, group.kv_cache_group.spec)
+            if not isinstance(support, AttentionCGSupport):
+                raise BackendError(
+                    f"{builder_cls.__qualname__} ({group.backend.get_name()}) declares CUDA-graph "
+                    f"support {support!r}; expected an AttentionCGSupport "
+                    f"({', '.join(level.name for level in AttentionCGSupport)})"
+                )
+            group.cudagraph_support = support
         return kv_cache, groups
 
     def _negotiate_mode(self) -> tuple[CUDAGraphMode, list[FallbackRecord]]:
@@ -439,6 +450,25 @@ def find_attention_layers(model: nn.Module) -> dict[str, Attention]:
             "attention goes through ga.Attention"
         )
     return layers
+
+
+def _checked_cache_shape(
+    backend: str, shape: object, args: tuple[int, int, int, int]
+) -> tuple[int, ...]:
+    """A backend's ``get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)``,
+    which must hold a key and a value for every slot: 2 x the product of the arguments
+    elements, in whatever layout the backend reads."""
+    ints = isinstance(shape, (tuple, list, torch.Size)) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape
+    )
+    expected = 2 * math.prod(args)
+    if not ints or math.prod(shape) != expected:
+        raise BackendError(
+            f"{backend}.get_kv_cache_shape{args} must be a shape of positive ints with "
+            f"2 x {' x '.join(map(str, args))} = {expected} elements (a key and a value per "
+            f"slot), got {shape!r}"
+        )
+    return tuple(shape)
 
 
 def _declared_positions(model: nn.Module) -> int | None:

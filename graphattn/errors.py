@@ -27,6 +27,11 @@ class BackendSelectionError(GraphAttnError, ValueError):
     """No attention backend fits a layer; the message lists every candidate's reasons."""
 
 
+class BackendError(GraphAttnError, ValueError):
+    """An attention backend is malformed or broke its contract: at registration, or where
+    the engine first uses what it returns (support level, cache shape, metadata)."""
+
+
 class UnsupportedModeError(GraphAttnError, NotImplementedError):
     """A requested feature or CUDA-graph mode is not available in this build."""
 

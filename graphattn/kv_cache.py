@@ -85,6 +85,14 @@ def group_layers_by_spec(
         size = spec.block_size
         if constraints:
             common = sorted(set.intersection(*constraints))
+            if not common:
+                listing = "; ".join(
+                    f"{n}: {sorted(kernel_block_sizes[n])}" for n in names if kernel_block_sizes[n]
+                )
+                raise ConfigError(
+                    f"the layers of one KV-cache group ({spec.describe()}) share no kernel block "
+                    f"size, so no block layout serves all of their backends: {listing}"
+                )
             size = choose_kernel_block_size(spec.block_size, common, what=f"layers {names}")
         groups.append(KVCacheGroup(group_id, spec, tuple(names), size))
     return groups

@@ -18,6 +18,7 @@ from graphattn.batch import Batch
 from graphattn.buffers import InputBuffers
 from graphattn.capture.dispatcher import BatchDescriptor, Dispatch
 from graphattn.capture.mode import CUDAGraphMode
+from graphattn.errors import BackendError
 from graphattn.kernels.precompile import PrecompileReport, compile_ahead
 from graphattn.kv_cache import KVCacheGroup, to_kernel_block_table
 from graphattn.report import EngineStats
@@ -107,6 +108,13 @@ class ModelRunner:
             if g.builder is not None and g.builder.reorder_batch_threshold is not None
         ]
         self.reorder_threshold = min(thresholds) if thresholds else None
+        if len(set(thresholds)) > 1:
+            logger.warning(
+                "attention builders ask for reorder_batch_threshold %s; one order serves "
+                "every group, so decodes first means at most %d query tokens",
+                sorted(set(thresholds)),
+                self.reorder_threshold,
+            )
         self._builders = tuple(g.builder for g in self.attn_groups if g.builder is not None)
         self.layer_names = list(layers)
         self._arange = np.arange(max(limits.max_num_seqs, limits.max_num_tokens) + 1)
@@ -308,6 +316,11 @@ class ModelRunner:
                 metadata = group.builder.build_for_cudagraph_capture(cam)
             else:
                 metadata = group.builder.build(0, cam)
+            if metadata is None:  # an impl would read it as the profile run and write zeros
+                raise BackendError(
+                    f"{type(group.builder).__qualname__} ({group.backend.get_name()}) built "
+                    "no metadata (None) for a step; None means the profile run to an impl"
+                )
             per_layer.update(dict.fromkeys(group.layer_names, metadata))
         return per_layer
 

@@ -146,7 +146,9 @@ def is_splitting_node(node: fx.Node, splitting_ops: frozenset[str]) -> bool:
     if name is None:
         return False
     op, overload = name
-    return op in splitting_ops or (overload is not None and f"{op}.{overload}" in splitting_ops)
+    if overload is None:  # a call through the packet: any overload named for the op counts
+        return op in splitting_ops or any(s.partition(".")[0] == op for s in splitting_ops)
+    return op in splitting_ops or f"{op}.{overload}" in splitting_ops
 
 
 def op_name(target: object) -> tuple[str, str | None] | None:

@@ -153,6 +153,17 @@ def test_split_yields_two_pieces_per_layer_plus_one(num_layers):
     assert [p.is_splitting for p in split.pieces] == [i % 2 == 1 for i in range(2 * num_layers + 1)]
 
 
+def test_splitting_ops_named_with_their_overload_split_the_same():
+    """The trace calls the ops through their packets (no overload); "ns::op.default", a form
+    the config accepts, must split there too, not silently leave one piece."""
+    model = ToyModel(2)
+    with torch.inference_mode():
+        trace = trace_model(model, *_inputs(8))
+    named = [f"{op}.default" for op in TOY_OPS]
+    split = split_graph(trace.graph_module, resolve_splitting_ops(named))
+    assert [p.is_splitting for p in split.pieces] == [i % 2 == 1 for i in range(5)]
+
+
 def test_splitting_ops_appear_only_in_their_own_pieces_in_order():
     split = _traced_split(3)
     ops = resolve_splitting_ops(TOY_OPS)

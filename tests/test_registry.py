@@ -104,3 +104,64 @@ def test_layer_and_config_can_name_the_backend(picky):
         ("PICKY", "layer"),
     ]
     assert len(engine.attn_groups) == 2  # different backends never share a group
+
+
+# -- a backend author's mistakes: typed errors, nothing registered -----------------------
+
+
+def _named(name, base=TorchRefBackend, **members):
+    return type(f"B_{name}", (base,), {"get_name": staticmethod(lambda: name), **members})
+
+
+class NotABackend:
+    @staticmethod
+    def get_name():
+        return "NOT_A_BACKEND"
+
+
+class Incomplete(ga.AttentionBackend):  # no get_impl_cls, get_builder_cls
+    @staticmethod
+    def get_name():
+        return "INCOMPLETE"
+
+
+@pytest.mark.parametrize(
+    "backend, priority, message",
+    [
+        (NotABackend, {"cpu": 1}, "expected an AttentionBackend subclass"),
+        ("SDPA", {"cpu": 1}, "expected an AttentionBackend subclass, got 'SDPA'"),
+        (Incomplete, {"cpu": 1}, r"does not implement \['get_builder_cls', 'get_impl_cls'\]"),
+        (_named(5), {"cpu": 1}, r"get_name\(\) must return a name, got 5"),
+        (_named("BADPRIO"), 5, "must map device types to ranks"),
+        (_named("BADPRIO"), {"gpu": 5}, "names 'gpu', not a torch device type"),
+        (_named("BADPRIO"), {"cpu": "high"}, "on cpu must be an int, got 'high'"),
+        (_named("torch_ref"), {"cpu": 1}, "named 'TORCH_REF' is already registered"),
+    ],
+)
+def test_bad_registration_is_typed_and_registers_nothing(backend, priority, message):
+    before = ga.attention.registry.registered_backends()
+    with pytest.raises(ga.BackendError, match=message):
+        ga.register_backend(backend, priority)
+    assert ga.attention.registry.registered_backends() == before
+    assert select_backend(_cfg()).backend is TorchRefBackend  # selection still works
+
+
+def test_names_are_case_insensitive():
+    lower = _named("my_ref")
+    try:
+        ga.register_backend(lower, {"cpu": 1})
+        assert select_backend(_cfg(), "my_ref").backend is lower
+        assert select_backend(_cfg(), "MY_REF").backend is lower
+    finally:
+        ga.register_backend(lower, {}, replace=True)
+
+
+@pytest.mark.parametrize("answer", [None, "bad config", [1]])
+def test_validate_configuration_must_return_reasons(answer):
+    odd = _named("ODD_ANSWER", validate_configuration=classmethod(lambda cls, cfg: answer))
+    ga.register_backend(odd, {"cpu": 1000}, replace=True)
+    try:
+        with pytest.raises(ga.BackendError, match="must return a list of reasons"):
+            select_backend(_cfg())
+    finally:
+        ga.register_backend(odd, {}, replace=True)

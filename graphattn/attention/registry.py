@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from graphattn.attention.backend import AttentionBackend, AttentionSelectorConfig
-from graphattn.errors import BackendSelectionError
+from graphattn.errors import BackendError, BackendSelectionError
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 _PRIORITY: dict[str, dict[str, int]] = {}  # device type -> {backend name: priority}
@@ -18,20 +21,60 @@ def register_backend(
     """Make ``backend`` selectable; ``priority`` maps a device type to its rank (higher first).
 
     A backend may be registered for devices it only sometimes serves (its
-    ``validate_configuration`` says when not). Re-registering a name needs ``replace=True``.
+    ``validate_configuration`` says when not). Names are case-insensitive; re-registering a
+    name needs ``replace=True``. A malformed backend or priority is a ``BackendError`` and
+    leaves the registry as it was.
     """
-    name = backend.get_name()
-    if name in _BACKENDS and _BACKENDS[name] is not backend and not replace:
-        raise ValueError(
-            f"an attention backend named {name!r} is already registered "
-            f"({_BACKENDS[name].full_cls_name()}); pass replace=True to replace it"
+    _ensure_builtins()
+    name = _checked_name(backend)
+    ranks = _checked_priority(name, priority)
+    key = name.upper()
+    if key in _BACKENDS and _BACKENDS[key] is not backend and not replace:
+        raise BackendError(
+            f"an attention backend named {_BACKENDS[key].get_name()!r} is already registered "
+            f"({_BACKENDS[key].full_cls_name()}); pass replace=True to replace it"
         )
-    _BACKENDS[name] = backend
-    for ranks in _PRIORITY.values():
-        ranks.pop(name, None)
-    for device_type, rank in priority.items():
-        _PRIORITY.setdefault(device_type, {})[name] = rank
+    _BACKENDS[key] = backend
+    for device_ranks in _PRIORITY.values():
+        device_ranks.pop(key, None)
+    for device_type, rank in ranks.items():
+        _PRIORITY.setdefault(device_type, {})[key] = rank
     return backend
+
+
+def _checked_name(backend: object) -> str:
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+        raise BackendError(f"expected an AttentionBackend subclass, got {backend!r}")
+    if inspect.isabstract(backend):
+        missing = sorted(backend.__abstractmethods__)
+        raise BackendError(f"{backend.__qualname__} does not implement {missing}")
+    name = backend.get_name()
+    if not isinstance(name, str) or not name:
+        raise BackendError(f"{backend.__qualname__}.get_name() must return a name, got {name!r}")
+    return name
+
+
+def _checked_priority(name: str, priority: object) -> dict[str, int]:
+    if not isinstance(priority, Mapping):
+        raise BackendError(
+            f"the priority of {name} must map device types to ranks, e.g. {{'cuda': 10}}, "
+            f"got {priority!r}"
+        )
+    for device_type, rank in priority.items():
+        try:
+            parsed = torch.device(device_type).type if isinstance(device_type, str) else None
+        except RuntimeError:
+            parsed = None
+        if parsed != device_type:
+            raise BackendError(
+                f"the priority of {name} names {device_type!r}, not a torch device type "
+                "(cpu, cuda, ...)"
+            )
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise BackendError(
+                f"the priority of {name} on {device_type} must be an int, got {rank!r}"
+            )
+    return dict(priority)
 
 
 def registered_backends() -> dict[str, type[AttentionBackend]]:
@@ -74,7 +117,7 @@ def select_backend(cfg: AttentionSelectorConfig, requested: str | None = None) -
     """
     if requested is not None:
         backend = get_backend(requested)
-        reasons = backend.validate_configuration(cfg)
+        reasons = _reasons(backend, cfg)
         if reasons:
             raise BackendSelectionError(
                 f"attention backend {backend.get_name()} was requested but cannot serve "
@@ -83,7 +126,7 @@ def select_backend(cfg: AttentionSelectorConfig, requested: str | None = None) -
         return Selection(backend, {}, explicit=True)
     rejected: dict[str, list[str]] = {}
     for backend in candidates(cfg.device_type):
-        reasons = backend.validate_configuration(cfg)
+        reasons = _reasons(backend, cfg)
         if not reasons:
             return Selection(backend, rejected)
         rejected[backend.get_name()] = reasons
@@ -92,6 +135,18 @@ def select_backend(cfg: AttentionSelectorConfig, requested: str | None = None) -
         f"no attention backend can serve {_describe(cfg)}. Candidates for "
         f"{cfg.device_type}:\n{listing}"
     )
+
+
+def _reasons(backend: type[AttentionBackend], cfg: AttentionSelectorConfig) -> list[str]:
+    """``backend.validate_configuration(cfg)``, which must be a list of reasons (empty: it
+    serves ``cfg``); anything else would read as a yes or as reasons letter by letter."""
+    reasons = backend.validate_configuration(cfg)
+    if not isinstance(reasons, (list, tuple)) or not all(isinstance(r, str) for r in reasons):
+        raise BackendError(
+            f"{backend.get_name()}.validate_configuration must return a list of reasons "
+            f"(str; empty when it serves the layer), got {reasons!r}"
+        )
+    return list(reasons)
 
 
 def _describe(cfg: AttentionSelectorConfig) -> str:

@@ -1,0 +1,107 @@
+"""What the engine checks of a backend where it first uses it: a breach is a BackendError."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TableAttentionModel, assert_unchanged, eager_engine, snapshot
+
+import graphattn as ga
+from graphattn.attention.backends.torch_ref import TorchRefBackend, TorchRefMetadataBuilder
+from graphattn.capture.mode import CUDAGraphMode
+from graphattn.capture.resolve import resolve_for_engine
+from graphattn.kv_cache import FullAttentionSpec, group_layers_by_spec
+
+
+@pytest.fixture
+def registered():
+    """Registers backends by name for one test, then takes them off every device."""
+    names = []
+
+    def register(name, builder_members=None, **members):
+        if builder_members:
+            builder = type(f"Builder_{name}", (TorchRefMetadataBuilder,), builder_members)
+            members["get_builder_cls"] = staticmethod(lambda: builder)
+        backend = type(
+            f"B_{name}", (TorchRefBackend,), {"get_name": staticmethod(lambda: name), **members}
+        )
+        ga.register_backend(backend, {}, replace=True)
+        names.append(backend)
+        return name
+
+    yield register
+    for backend in names:
+        ga.register_backend(backend, {}, replace=True)
+
+
+def _engine(backend, **overrides):
+    model = TableAttentionModel(40, 4, 2, 64, backend=backend)
+    return eager_engine(
+        model, max_num_seqs=4, max_num_tokens=64, num_blocks=8, max_model_len=96, **overrides
+    )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        lambda nb, bs, h, d: (2, nb // 2, bs, h, d),  # half the blocks
+        lambda nb, bs, h, d: (2, nb, bs, h),  # no head dimension
+        lambda nb, bs, h, d: (3, nb, bs, h, d),  # a third tensor's worth
+        lambda nb, bs, h, d: None,
+        lambda nb, bs, h, d: (2, nb, bs, h, float(d)),
+    ],
+)
+def test_cache_shape_must_hold_every_slot(registered, shape):
+    name = registered("BAD_SHAPE", get_kv_cache_shape=staticmethod(shape))
+    with pytest.raises(
+        ga.BackendError, match=r"BAD_SHAPE.get_kv_cache_shape\(8, 16, 2, 64\) must be"
+    ):
+        _engine(name)
+
+
+@pytest.mark.parametrize("support", [3, "ALWAYS", None])
+def test_support_level_must_be_an_enum(registered, support):
+    name = registered("BAD_SUPPORT", builder_members={"cudagraph_support": support})
+    with pytest.raises(
+        ga.BackendError, match=r"declares CUDA-graph support .*expected an AttentionCGSupport"
+    ):
+        _engine(name)
+
+
+def test_metadata_none_is_an_error_not_a_profile_run(registered):
+    name = registered("NO_METADATA", builder_members={"build": lambda self, prefix, cam: None})
+    engine = _engine(name)
+    engine.kv_cache.allocate(2)
+    snap = snapshot(engine)
+    with pytest.raises(ga.BackendError, match=r"built no metadata \(None\) for a step"):
+        engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [0])]))
+    assert_unchanged(engine, snap)
+    assert engine.stats.steps == 0
+
+
+def test_layers_without_a_common_kernel_block_size():
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    with pytest.raises(ga.ConfigError, match=r"share no kernel block size.*a: \[8\]; b: \[16\]"):
+        group_layers_by_spec({"a": spec, "b": spec}, {"a": (8,), "b": (16,)})
+
+
+@pytest.mark.parametrize(
+    "requested, resolved, cost",
+    [
+        (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE, "every batch runs without graphs"),
+        (
+            CUDAGraphMode.FULL_AND_PIECEWISE,
+            CUDAGraphMode.FULL_DECODE_ONLY,
+            "mixed batches run without graphs",
+        ),
+    ],
+)
+def test_cost_of_losing_piecewise_graphs(requested, resolved, cost):
+    mode, records = resolve_for_engine(
+        requested,
+        ga.AttentionCGSupport.ALWAYS,
+        has_cuda=True,
+        attention_is_splitting_op=False,
+        backend_name="TRITON",
+    )
+    assert mode == resolved and records[0].cost == cost
