@@ -178,23 +178,24 @@ def _plain_ints(index: int, what: str, values: object) -> list[int]:
         raise InvalidBatchError(
             f"request {index}: {what} must be a sequence of ints, got {type(values).__name__}"
         ) from None
-    bad = [v for v in items if not isinstance(v, (int, np.integer)) or isinstance(v, bool)]
+    bad = [v for v in items if not is_int(v)]
     if bad:
         raise InvalidBatchError(f"request {index}: {what} must hold ints, got {bad[0]!r}")
     return items
 
 
 def _nonnegative(index: int, value: object) -> int:
-    if (
-        not isinstance(value, (int, np.integer))
-        or isinstance(value, bool)
-        or not 0 <= value <= _INT32[1]
-    ):
+    if not is_int(value) or not 0 <= value <= _INT32[1]:
         raise InvalidBatchError(
             f"request {index}: num_computed_tokens must be an int in [0, {_INT32[1]}], "
             f"got {value!r}"
         )
     return int(value)
+
+
+def is_int(value: object) -> bool:
+    """A Python or numpy integer, and not a bool (which Python counts as an int)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 _INT32 = (-(2**31), 2**31 - 1)  # what the batch's int32 arrays hold

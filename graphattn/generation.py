@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from graphattn.batch import Batch
+from graphattn.batch import Batch, is_int
 from graphattn.errors import InvalidInputError, OutOfBlocksError
 from graphattn.sampling import greedy
 
@@ -133,16 +133,16 @@ def _to_batch(scheduled: list[tuple[_Sequence, int]], block_size: int) -> Batch:
 def _check_prompts(prompts, max_new_tokens, eos_token_id, limits, kv_cache) -> list[list[int]]:
     """The prompts as lists of ints, after every check a step would make of them, so that a
     bad prompt is an error before anything is allocated or run."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if eos_token_id is not None and not _is_int(eos_token_id):
+    if eos_token_id is not None and not is_int(eos_token_id):
         raise InvalidInputError(f"eos_token_id must be an int or None, got {eos_token_id!r}")
     checked = []
     for i, prompt in enumerate(_as_list(prompts, "prompts must be a list of token-id lists")):
         tokens = _as_list(prompt, f"prompt {i} must be a list of token ids")
         if not tokens:
             raise InvalidInputError(f"prompt {i} is empty")
-        bad = [t for t in tokens if not _is_int(t)]
+        bad = [t for t in tokens if not is_int(t)]
         if bad:
             raise InvalidInputError(f"prompt {i}: token ids must be ints, got {bad[0]!r}")
         vocab = limits.vocab_size
@@ -175,7 +175,3 @@ def _as_list(values: object, expected: str) -> list:
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
         raise InvalidInputError(f"{expected}, got {type(values).__name__}")
     return list(values)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphattn.batch import is_int
 from graphattn.errors import ConfigError, InvalidInputError, OutOfBlocksError
 
 
@@ -135,7 +136,7 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free block ids; on exhaustion raises and allocates nothing."""
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+        if not is_int(n) or n < 0:
             raise InvalidInputError(f"the number of blocks must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise OutOfBlocksError(
@@ -154,7 +155,7 @@ class BlockAllocator:
             raise InvalidInputError(
                 f"block_ids must be a sequence of ints, got {type(block_ids).__name__}"
             ) from None
-        not_ints = [b for b in ids if not isinstance(b, (int, np.integer)) or isinstance(b, bool)]
+        not_ints = [b for b in ids if not is_int(b)]
         if not_ints:
             raise InvalidInputError(f"block ids must be ints, got {not_ints[0]!r}")
         bad = [b for b in ids if not (0 <= b < self.num_blocks) or not self._in_use[b]]

@@ -190,18 +190,24 @@ def test_free_takes_allocated_ids(engine, ids, error, message):
 # -- generate: every prompt checked before a block is allocated ------------------------------
 
 
-@pytest.fixture(scope="module")
-def llama_engine():
-    from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+def _tiny_llama_config(num_hidden_layers):
+    from graphattn.models import LlamaConfig
 
-    cfg = LlamaConfig.tiny(
+    return LlamaConfig.tiny(
         vocab_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
     )
+
+
+@pytest.fixture(scope="module")
+def llama_engine():
+    from graphattn.models import LlamaForCausalLM, init_random_weights
+
+    cfg = _tiny_llama_config(num_hidden_layers=2)
     model = init_random_weights(LlamaForCausalLM(cfg), seed=3)
     return eager_engine(
         model,
@@ -275,16 +281,9 @@ def test_generate_that_fails_midway_gives_its_blocks_back(llama_engine, monkeypa
 def test_max_model_len_stays_within_the_models_positions():
     """The tiny Llama embeds 2048 positions: by default the engine takes that many, a larger
     max_model_len is refused at start-up, and a step past the table is a typed error."""
-    from graphattn.models import LlamaConfig, LlamaForCausalLM
+    from graphattn.models import LlamaForCausalLM
 
-    cfg = LlamaConfig.tiny(
-        vocab_size=64,
-        num_hidden_layers=1,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = _tiny_llama_config(num_hidden_layers=1)
     assert cfg.max_position_embeddings == 2048
     model = LlamaForCausalLM(cfg)
     sizes = dict(max_num_seqs=2, max_num_tokens=64, block_size=256, num_blocks=10)
