@@ -10,6 +10,7 @@ from graphattn.capture.sizes import padding_table
 
 M = CUDAGraphMode
 ABOVE_LARGEST = "batch above the largest capture size"
+NO_DECODE_GRAPH = "decode batch without a full graph of its padded size"
 
 
 class BatchDescriptor(NamedTuple):
@@ -27,15 +28,17 @@ class BatchDescriptor(NamedTuple):
 class Dispatch(NamedTuple):
     mode: CUDAGraphMode
     descriptor: BatchDescriptor | None
-    fallback: str | None = None  # why a batch that wanted a graph runs without one
+    fallback: str | None = None  # why a batch runs with less graph than its mode gives
 
 
 class CudagraphDispatcher:
     """Knows which (mode, key) graphs exist and picks one for each step.
 
     FULL if the resolved mode serves this kind of batch with full graphs and a key exists,
-    else PIECEWISE for the padded token count, else NONE. A batch above the largest size
-    runs without graphs and says why.
+    else PIECEWISE for the padded token count, else NONE. A batch that the mode would serve
+    with a graph and that gets less says why: above the largest size it runs without graphs;
+    a decode batch padded to a size above ``max_num_seqs`` (which has no uniform-decode
+    graph) runs piecewise or without graphs under the modes that run decodes FULL apart.
     """
 
     def __init__(
@@ -69,6 +72,23 @@ class CudagraphDispatcher:
     def max_size(self) -> int:
         return self.sizes[-1] if self.sizes else 0
 
+    def decode_gap(self) -> tuple[int, int] | None:
+        """The decode batch sizes (tokens, first and last) that pad to a size with no full
+        graph, under a mode that runs decodes FULL and mixed batches otherwise; None if none.
+
+        Uniform-decode graphs exist only for sizes up to ``max_num_seqs`` requests; a decode
+        batch that pads to a larger size (a user's list that skips from below the limit to
+        above it) gets what mixed batches get.
+        """
+        if self.mode.decode_mode() != M.FULL or self.mode.mixed_mode() == M.FULL:
+            return None
+        lost = [
+            n
+            for n in range(self.q, min(self.max_size, self.max_num_seqs * self.q) + 1, self.q)
+            if self._dispatch(n, n // self.q, True).mode != M.FULL
+        ]
+        return (lost[0], lost[-1]) if lost else None
+
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
         """The runtime mode and padded key of one step (no key for NONE)."""
         args = (num_tokens, num_reqs, uniform_decode)
@@ -82,8 +102,9 @@ class CudagraphDispatcher:
     def _dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
         if self.mode == M.NONE:
             return Dispatch(M.NONE, None)
-        if num_tokens > self.max_size:
-            return Dispatch(M.NONE, None, ABOVE_LARGEST)
+        wanted = self.mode.decode_mode() if uniform_decode else self.mode.mixed_mode()
+        if num_tokens > self.max_size:  # mixed batches under FULL_DECODE_ONLY lose nothing
+            return Dispatch(M.NONE, None, ABOVE_LARGEST if wanted != M.NONE else None)
         padded = self.pad_to[num_tokens]
         if uniform_decode and padded % self.q == 0:
             key = BatchDescriptor(padded, padded // self.q, True)
@@ -92,9 +113,10 @@ class CudagraphDispatcher:
         key = BatchDescriptor(padded, min(padded, self.max_num_seqs), False)
         if key in self._full and num_reqs <= key.num_reqs:
             return Dispatch(M.FULL, key)
+        fallback = NO_DECODE_GRAPH if wanted == M.FULL else None
         if self.keys[M.PIECEWISE]:
-            return Dispatch(M.PIECEWISE, BatchDescriptor(padded))
-        return Dispatch(M.NONE, None)
+            return Dispatch(M.PIECEWISE, BatchDescriptor(padded), fallback)
+        return Dispatch(M.NONE, None, fallback)
 
     def capture_order(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
         """Every (mode, key) to capture: FULL before PIECEWISE, largest first within each."""

@@ -56,7 +56,9 @@ class CaptureManager:
             logger.warning("no capture size is left: every batch runs without graphs")
             self.mode = mode = M.NONE
         self.dispatcher = CudagraphDispatcher(mode, sizes, max_num_seqs)
+        self.decode_gap = describe_decode_gap(self.dispatcher)  # the engine warns with it
         self.state = CaptureState(device, debug=debug) if mode != M.NONE else None
+        self.graphs_at_startup = 0  # graphs when capture closed (later ones break the rule)
 
     def piece_wrapper(self) -> Callable[[Callable[..., Any], Any], Callable[..., Any]] | None:
         """The wrapper for compiled pieces, or None when no PIECEWISE graphs are captured."""
@@ -96,6 +98,7 @@ class CaptureManager:
         with torch.inference_mode(), self.state.capture_phase():
             runner.capture_graphs(order)
         torch.cuda.synchronize(self.state.device)
+        self.graphs_at_startup = self.state.num_graphs
         seconds = time.perf_counter() - start
         used = free_before - torch.cuda.mem_get_info(self.state.device)[0]
         info = summarize_keys(self.dispatcher.keys)
@@ -106,6 +109,8 @@ class CaptureManager:
         }
         if self.clipped:
             info["clipped_sizes"] = self.clipped
+        if self.decode_gap:
+            info["decode_gap"] = self.decode_gap
         logger.info(
             "captured %d graphs in %.1f s, %.0f MiB",
             info["graphs"],
@@ -137,3 +142,24 @@ def summarize_keys(keys: dict[CUDAGraphMode, list[BatchDescriptor]]) -> dict[str
             kind: sorted(k.num_tokens for k in ks) for kind, ks in kinds.items() if ks
         }
     return info
+
+
+def describe_decode_gap(dispatcher: CudagraphDispatcher) -> str | None:
+    """What a start-up warning says when some decode batches get no full graph (see
+    ``CudagraphDispatcher.decode_gap``); None when every decode batch up to the largest
+    size gets one.
+    """
+    gap = dispatcher.decode_gap()
+    if gap is None:
+        return None
+    lo, hi = gap
+    mode = dispatcher.mode
+    runs = "piecewise" if mode.mixed_mode() == M.PIECEWISE else "without graphs"
+    q = "" if dispatcher.q == 1 else f" x {dispatcher.q}"
+    return (
+        f"decode batches of {lo}-{hi} tokens get no full graph under {mode}: full decode "
+        f"graphs exist only for capture sizes <= max_num_seqs{q} "
+        f"({dispatcher.max_num_seqs * dispatcher.q}), and these batches pad to "
+        f"{dispatcher.pad_to[lo]}, so they run {runs} (counted in engine.stats.fallbacks); "
+        f"a capture size of {hi} gives them one"
+    )

@@ -123,9 +123,12 @@ def resolve_for_engine(
     attention_is_splitting_op: bool,
     backend_name: str,
     uniform_decode_query_len: int = 1,
+    has_decode_size: bool = True,
 ) -> tuple[CUDAGraphMode, list[FallbackRecord]]:
     """``resolve_cudagraph_mode`` plus what the engine knows: without CUDA every mode is NONE,
-    and piecewise graphs need the model compiled and split at attention.
+    piecewise graphs need the model compiled and split at attention, and FULL_DECODE_ONLY
+    captures nothing without a capture size a decode batch of ``max_num_seqs`` requests or
+    fewer can pad to (``has_decode_size``).
     """
     if not has_cuda:
         if requested == M.NONE:
@@ -159,4 +162,10 @@ def resolve_for_engine(
         uniform_decode_query_len=uniform_decode_query_len,
         backend_name=backend_name,
     )
-    return mode, records + more
+    records += more
+    if mode == M.FULL_DECODE_ONLY and not has_decode_size:
+        rule = "full decode graphs need a capture size <= max_num_seqs"
+        cost = "every batch runs without graphs"
+        records.append(FallbackRecord(mode, M.NONE, rule, backend_name, min_support.name, cost))
+        mode = M.NONE
+    return mode, records

@@ -31,6 +31,7 @@ class CaptureState:
         self.debug = debug
         self.open = False  # capture allowed (start-up only)
         self.num_graphs = 0
+        self.refused = 0  # captures asked for after start-up (each raised a CaptureError)
         self.watched: dict[str, tuple[torch.Tensor, int]] = {}  # checked at replay in debug mode
 
     def watch(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -118,6 +119,7 @@ class CUDAGraphWrapper:
 
     def _capture(self, key: Any, args: tuple[Any, ...]) -> Any:
         if not self.state.open:
+            self.state.refused += 1
             raise CaptureError(
                 f"{self.name}: no {self.runtime_mode} graph for {key}, and capture is closed "
                 "after start-up (the dispatcher routed a batch to a graph that was never captured)"

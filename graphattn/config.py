@@ -147,6 +147,16 @@ class CompileConfig:
                     f"max_num_tokens={self.max_num_tokens}, got cudagraph_capture_sizes="
                     f"{list(sizes)} (cudagraph_mode='NONE' runs without graphs)"
                 )
+            if (
+                self.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+                and not self.has_decode_capture_size()
+            ):
+                bound = min(self.max_num_seqs, self.max_num_tokens)
+                raise ConfigError(
+                    f"cudagraph_mode FULL_DECODE_ONLY captures graphs for decode batches only, "
+                    f"of at most max_num_seqs={self.max_num_seqs} requests, and needs a capture "
+                    f"size <= {bound}; got cudagraph_capture_sizes={list(sizes)}"
+                )
         if self.splitting_ops is not None:
             if isinstance(self.splitting_ops, str) or not all(
                 isinstance(op, str) for op in self.splitting_ops
@@ -170,6 +180,14 @@ class CompileConfig:
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
+
+    def has_decode_capture_size(self) -> bool:
+        """True when a decode batch can pad to a capture size: one <= max_num_seqs (and the
+        token limit). The default sizes always end at that bound.
+        """
+        sizes = self.cudagraph_capture_sizes
+        bound = min(self.max_num_seqs, self.max_num_tokens)
+        return sizes is None or any(n <= bound for n in sizes)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +18,7 @@ from graphattn.attention.backend import AttentionCGSupport
 from graphattn.attention.forward_context import BoundLayer, set_forward_context
 from graphattn.attention.groups import AttentionGroup, build_attention_groups
 from graphattn.attention.layer import Attention
+from graphattn.attention.ops import ATTENTION_OP
 from graphattn.attention.registry import select_backend
 from graphattn.batch import Batch
 from graphattn.capture.manager import CaptureManager
@@ -29,6 +30,7 @@ from graphattn.errors import (
     ConfigError,
     CUDAGraphModeError,
     FallbackWarning,
+    GraphAttnError,
     InvalidInputError,
 )
 from graphattn.kernels import attention_plan, pdl, precompile, triton_import_error
@@ -90,13 +92,16 @@ class CompiledModel:
             device=self.device,
             debug=config.debug,
         )
+        if self.graphs.decode_gap:
+            logger.warning("%s", self.graphs.decode_gap)
+            warnings.warn(self.graphs.decode_gap, FallbackWarning, stacklevel=3)
         graphed = self.graphs.dispatcher.sizes if self.graphs.mode != CUDAGraphMode.NONE else ()
         self.inductor_pdl, self.kernel_settings["inductor_pdl"] = _inductor_pdl(
             self.device, self.graphs.mode, config.compile_backend
         )
         self.compile_sizes = config.resolved_compile_sizes(self.device, graphed, self.dtype)
         self.compiled = self._compile()
-        forward = self.compiled if self.compiled is not None else self.model
+        forward = self.compiled if self.compiled is not None else _one_tensor(self.model)
         self.runner.copies_in_full_graphs = (
             self.graphs.mode.has_full_cudagraphs() and self.runner.can_copy_in_graphs
         )
@@ -137,6 +142,10 @@ class CompiledModel:
         """What steps did: steps and tokens, runtime modes, per-step fallbacks, recompiles."""
         if self.compiled is not None:
             self._stats.recompiles = self.compiled.num_recompiles
+        state = self.graphs.state
+        if state is not None:
+            later = state.num_graphs - self.graphs.graphs_at_startup
+            self._stats.captures_after_startup = later + state.refused
         return self._stats
 
     def step(self, batch: Batch, *, clone: bool = True) -> torch.Tensor:
@@ -218,6 +227,13 @@ class CompiledModel:
                 group.kv_cache_group.spec, group.layer_names, self.config, self.device
             )
             support = builder_cls.get_cudagraph_support(self.config, group.kv_cache_group.spec)
+            if "cudagraph_support" in vars(group.builder):
+                raise BackendError(
+                    f"{builder_cls.__qualname__} ({group.backend.get_name()}) sets "
+                    "cudagraph_support on an instance; the level is read from the class before "
+                    "capture: declare it as a class attribute, or override the classmethod "
+                    "get_cudagraph_support(config, kv_cache_spec)"
+                )
             if not isinstance(support, AttentionCGSupport):
                 raise BackendError(
                     f"{builder_cls.__qualname__} ({group.backend.get_name()}) declares CUDA-graph "
@@ -238,6 +254,7 @@ class CompiledModel:
             has_cuda=self.device.type == "cuda",
             attention_is_splitting_op=self._attention_is_split(),
             backend_name=weakest.backend.get_name(),
+            has_decode_size=self.config.has_decode_capture_size(),
         )
         for record in records:
             if self.config.strict:
@@ -249,8 +266,10 @@ class CompiledModel:
     def _attention_is_split(self) -> bool:
         """True when the model is compiled piecewise with the attention op as a splitting op."""
         ops = self.config.splitting_ops
+        attention = ATTENTION_OP._schema.name  # "graphattn::unified_attention_with_output"
+        # the splitter's reading of a name: the op, or the op with any of its overloads
         return self.config.compile_backend != "none" and (
-            ops is None or "graphattn::unified_attention_with_output" in ops
+            ops is None or any(name.partition(".")[0] == attention for name in ops)
         )
 
     def _compile(self) -> CompiledForward | None:
@@ -431,6 +450,22 @@ def _inference_mode() -> Any:
     if _INFERENCE_MODE_GUARD is not None:
         return _INFERENCE_MODE_GUARD(True)
     return torch.inference_mode()
+
+
+def _one_tensor(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The uncompiled model's forward, checked as the compiled path checks its trace: one
+    tensor of hidden states out (a tuple would fail later, far from the cause)."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids, positions)
+        if not isinstance(out, torch.Tensor):
+            raise GraphAttnError(
+                "graphattn runs models whose forward(input_ids, positions) returns one tensor "
+                f"of hidden states; {type(model).__qualname__} returned {type(out).__name__}"
+            )
+        return out
+
+    return forward
 
 
 def find_attention_layers(model: nn.Module) -> dict[str, Attention]:

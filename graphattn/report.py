@@ -117,6 +117,7 @@ class EngineStats:
     runtime_modes: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)  # reason -> steps
     recompiles: int = 0
+    # graphs captured after start-up, or asked for then and refused with a CaptureError
     captures_after_startup: int = 0
 
     def to_dict(self) -> dict[str, Any]:

@@ -408,3 +408,74 @@ def test_a_builder_using_device_inputs_gets_them_before_build(model, cache_dir, 
     (got,), expected = full_step(opted_out, _decode_seqs(6, 401))
     assert torch.equal(got, expected)
     assert calls[-1] == (8, 8)  # the FULL step's own copy, at the key's padded size
+
+
+@pytest.fixture(scope="module")
+def gap_engine(model, cache_dir):
+    """FULL_AND_PIECEWISE with sizes that skip past max_num_seqs=48 (1, 2, 4, then 64)."""
+    gap = r"decode batches of 5-48 tokens get no full graph under FULL_AND_PIECEWISE"
+    with pytest.warns(ga.FallbackWarning, match=gap):
+        return ga.compile(
+            copy.deepcopy(model),
+            cudagraph_mode="FULL_AND_PIECEWISE",
+            compile_backend="inductor",
+            attention_backend="TRITON",
+            cudagraph_capture_sizes=[1, 2, 4, 64],
+            cache_dir=cache_dir,
+            **LIMITS,
+        )
+
+
+def test_decode_batches_padded_past_max_num_seqs_are_warned_and_counted(
+    model, cache_dir, gap_engine
+):
+    """A decode batch of 6 pads to 64, which has no uniform-decode graph: it runs piecewise,
+    right, and counted as a fallback; start-up said so and the report keeps it."""
+    ref, _ = _engines(model, cache_dir, "TRITON", M.NONE)
+    eng = gap_engine
+    assert eng.resolved_mode == M.FULL_AND_PIECEWISE and not eng.report.fallbacks
+    assert eng.report.capture["full_graphs"] == {"uniform decode": [1, 2, 4]}
+    assert "a capture size of 48 gives them one" in eng.report.capture["decode_gap"]
+    seqs = _decode_seqs(6, 41)
+    for e in (ref, eng):
+        prefill_prefixes(e, seqs)
+    modes, fallbacks = dict(eng.stats.runtime_modes), dict(eng.stats.fallbacks)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    out_ref, out = ref.step(batch), eng.step(batch)
+    assert rel_err(out, out_ref) < 2e-2
+    assert eng.stats.runtime_modes["PIECEWISE"] == modes.get("PIECEWISE", 0) + 1
+    lost = "decode batch without a full graph of its padded size"
+    assert eng.stats.fallbacks[lost] == fallbacks.get(lost, 0) + 1
+    small = _decode_seqs(3, 42)  # 3 pads to 4: a full graph, no fallback
+    for e in (ref, eng):
+        prefill_prefixes(e, small)
+    batch = ga.Batch.from_requests([s.request() for s in small])
+    out_ref, out = ref.step(batch), eng.step(batch)
+    assert rel_err(out, out_ref) < 2e-2
+    assert eng.stats.runtime_modes["FULL"] == modes.get("FULL", 0) + 1
+    assert eng.stats.fallbacks[lost] == fallbacks.get(lost, 0) + 1
+
+
+def test_a_graph_asked_for_after_start_up_is_refused_and_counted(model, cache_dir, gap_engine):
+    """The guarantee behind 'zero captures after start-up': a step routed to a graph that was
+    never captured raises, is counted, and leaves the engine able to step on."""
+    from graphattn.capture.dispatcher import BatchDescriptor, Dispatch
+
+    ref, _ = _engines(model, cache_dir, "TRITON", M.NONE)
+    eng = gap_engine
+    assert eng.stats.captures_after_startup == 0
+    seqs = _decode_seqs(2, 43)
+    for e in (ref, eng):
+        prefill_prefixes(e, seqs)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    planner = eng.runner.planner
+    eng.runner.planner = lambda *args: Dispatch(M.FULL, BatchDescriptor(3, 3, True))
+    try:
+        with pytest.raises(ga.CaptureError, match=r"no FULL graph for .* capture is closed"):
+            eng.step(batch)
+    finally:
+        eng.runner.planner = planner
+    assert eng.stats.captures_after_startup == 1
+    out_ref, out = ref.step(batch), eng.step(batch)
+    assert rel_err(out, out_ref) < 2e-2
+    assert eng.stats.captures_after_startup == 1

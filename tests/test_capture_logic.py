@@ -13,10 +13,15 @@ from hypothesis import strategies as st
 
 import graphattn as ga
 from graphattn.attention import AttentionCGSupport as S
-from graphattn.capture.dispatcher import ABOVE_LARGEST, BatchDescriptor, CudagraphDispatcher
-from graphattn.capture.manager import summarize_keys
+from graphattn.capture.dispatcher import (
+    ABOVE_LARGEST,
+    NO_DECODE_GRAPH,
+    BatchDescriptor,
+    CudagraphDispatcher,
+)
+from graphattn.capture.manager import describe_decode_gap, summarize_keys
 from graphattn.capture.mode import CUDAGraphMode as M
-from graphattn.capture.resolve import resolve_cudagraph_mode
+from graphattn.capture.resolve import resolve_cudagraph_mode, resolve_for_engine
 from graphattn.capture.sizes import clip_capture_sizes, default_capture_sizes
 
 # requested mode, support, attention split ("P" yes, "-" no, "*" either), decode query
@@ -135,11 +140,18 @@ def test_dispatch_pads_to_smallest_captured_size_that_fits(
     d = CudagraphDispatcher(mode, sizes, max_num_seqs)
     out = d.dispatch(num_tokens, num_reqs, uniform)
     fitting = [s for s in sizes if s >= num_tokens]
-    if not fitting:
-        assert out.mode == M.NONE and out.fallback == ABOVE_LARGEST
+    wanted = mode.decode_mode() if uniform else mode.mixed_mode()
+    if not fitting:  # a fallback only for a kind of batch the mode gives graphs
+        assert out.mode == M.NONE
+        assert out.fallback == (ABOVE_LARGEST if wanted != M.NONE else None)
         return
+    # a batch gets less than its mode's kind of graph only as a decode with no full graph
+    # of its padded size, and says so
+    lost = out.mode != wanted and not (out.mode == M.FULL and mode == M.FULL)
+    assert out.fallback == (NO_DECODE_GRAPH if lost else None)
+    assert not lost or (uniform and wanted == M.FULL and min(fitting) > max_num_seqs)
     if out.mode == M.NONE:  # only when no graph of the padded size serves this batch
-        assert not d.keys[M.PIECEWISE] and out.fallback is None
+        assert not d.keys[M.PIECEWISE]
         assert not [
             k
             for k in d.keys[M.FULL]
@@ -154,6 +166,72 @@ def test_dispatch_pads_to_smallest_captured_size_that_fits(
         assert key.uniform_decode == uniform or not key.uniform_decode
     else:
         assert key.num_reqs is None
+
+
+def test_mixed_batches_above_the_largest_size_under_full_decode_only_lose_nothing():
+    # FULL_DECODE_ONLY runs mixed batches without graphs at every size: not a fallback
+    d = CudagraphDispatcher(M.FULL_DECODE_ONLY, [1, 2, 4, 8], max_num_seqs=8)
+    assert d.dispatch(20, 2, False) == (M.NONE, None, None)
+    assert d.dispatch(5, 2, False) == (M.NONE, None, None)
+    assert d.dispatch(9, 9, True) == (M.NONE, None, ABOVE_LARGEST)  # a decode would have had one
+    for mode in (M.FULL, M.PIECEWISE, M.FULL_AND_PIECEWISE):
+        assert CudagraphDispatcher(mode, [1, 2, 4, 8], 8).dispatch(20, 2, False).fallback == (
+            ABOVE_LARGEST
+        )
+
+
+@pytest.mark.parametrize(
+    "mode, runs", [(M.FULL_AND_PIECEWISE, M.PIECEWISE), (M.FULL_DECODE_ONLY, M.NONE)], ids=str
+)
+def test_decode_batches_padded_above_max_num_seqs_say_they_lost_their_full_graph(mode, runs):
+    """A user's sizes that skip from 8 to 256 past max_num_seqs=128: decode batches of 9-128
+    requests pad to 256, which has no uniform-decode graph. They run what mixed batches run,
+    each step says why, and start-up says which sizes and what would fix it.
+    """
+    d = CudagraphDispatcher(mode, [1, 2, 4, 8, 256], max_num_seqs=128)
+    assert d.dispatch(8, 8, True) == (M.FULL, BatchDescriptor(8, 8, True), None)
+    for n in (9, 100, 128):
+        out = d.dispatch(n, n, True)
+        assert out.mode == runs and out.fallback == NO_DECODE_GRAPH, n
+    assert d.decode_gap() == (9, 128)
+    text = describe_decode_gap(d)
+    assert text.startswith(f"decode batches of 9-128 tokens get no full graph under {mode}")
+    assert "max_num_seqs (128)" in text and "pad to 256" in text
+    assert f"run {'piecewise' if runs == M.PIECEWISE else 'without graphs'}" in text
+    assert text.endswith("a capture size of 128 gives them one")
+    fixed = CudagraphDispatcher(mode, [1, 2, 4, 8, 128, 256], max_num_seqs=128)
+    assert fixed.decode_gap() is None and describe_decode_gap(fixed) is None
+    assert fixed.dispatch(100, 100, True) == (M.FULL, BatchDescriptor(128, 128, True), None)
+    # FULL serves those decodes with its mixed graphs of 256: nothing lost, nothing said
+    full = CudagraphDispatcher(M.FULL, [1, 2, 4, 8, 256], max_num_seqs=128)
+    assert full.dispatch(100, 100, True) == (M.FULL, BatchDescriptor(256, 128, False), None)
+    assert full.decode_gap() is None
+
+
+@given(max_num_seqs=st.integers(1, 600), max_num_tokens=st.integers(1, 8192))
+def test_default_sizes_leave_no_decode_gap(max_num_seqs, max_num_tokens):
+    sizes = default_capture_sizes(max_num_seqs, max_num_tokens)
+    for mode in (M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE):
+        assert CudagraphDispatcher(mode, sizes, max_num_seqs).decode_gap() is None
+
+
+def test_full_decode_only_without_a_decode_size_falls_to_none_and_says_so():
+    # FULL_AND_PIECEWISE lowered to FULL_DECODE_ONLY (attention not split) with every size
+    # above max_num_seqs would capture nothing: the engine is told, and records each step
+    kwargs = dict(has_cuda=True, attention_is_splitting_op=False, backend_name="TRITON")
+    mode, records = resolve_for_engine(
+        M.FULL_AND_PIECEWISE, S.ALWAYS, has_decode_size=False, **kwargs
+    )
+    assert mode == M.NONE and [r.resolved for r in records] == [M.FULL_DECODE_ONLY, M.NONE]
+    assert str(records[-1]) == (
+        "cudagraph_mode FULL_DECODE_ONLY -> NONE (full decode graphs need a capture size <= "
+        "max_num_seqs): backend TRITON supports ALWAYS; every batch runs without graphs"
+    )
+    # a size that fits, or a mode with other graphs, is left alone
+    assert resolve_for_engine(M.FULL_AND_PIECEWISE, S.ALWAYS, **kwargs)[0] == M.FULL_DECODE_ONLY
+    split = dict(kwargs, attention_is_splitting_op=True)
+    for m in (M.FULL, M.FULL_AND_PIECEWISE, M.PIECEWISE):
+        assert resolve_for_engine(m, S.ALWAYS, has_decode_size=False, **split) == (m, [])
 
 
 def test_capture_order_full_first_largest_first():
@@ -305,6 +383,7 @@ def test_wrapper_prologue_is_captured_never_called_outside_a_capture(monkeypatch
         log.append(f"prologue {key.num_tokens}")
         return lambda: log.append(f"finish {key.num_tokens}")
 
+    state.refused = 0
     wrapper = CUDAGraphWrapper(model, M.FULL, state, prologue=prologue)
     key = BatchDescriptor(8, 8, True)
     x = torch.zeros(8)
@@ -317,3 +396,54 @@ def test_wrapper_prologue_is_captured_never_called_outside_a_capture(monkeypatch
         with set_forward_context(None, key, mode, layers={}):
             wrapper(x)
         assert log == expected, mode
+    assert state.num_graphs == 1 and state.refused == 0
+
+
+def test_a_graph_asked_for_after_start_up_is_refused_and_counted(monkeypatch):
+    from graphattn.attention import set_forward_context
+    from graphattn.capture.wrapper import CaptureState, CUDAGraphWrapper
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    _FakeGraph.log = []
+    state = object.__new__(CaptureState)
+    state.pool, state.debug, state.open, state.num_graphs, state.refused = None, False, False, 0, 0
+    wrapper = CUDAGraphWrapper(lambda x: x + 1, M.FULL, state, name="model")
+    closed = r"model: no FULL graph for .*capture is closed"
+    key = BatchDescriptor(3, 3, True)
+    with (
+        set_forward_context(None, key, M.FULL, layers={}),
+        pytest.raises(ga.CaptureError, match=closed),
+    ):
+        wrapper(torch.zeros(3))
+    assert state.refused == 1 and state.num_graphs == 0 and _FakeGraph.log == []
+
+
+@pytest.mark.parametrize(
+    "ops, split",
+    [
+        (None, True),
+        (("graphattn::unified_attention_with_output",), True),
+        (("graphattn::unified_attention_with_output.default",), True),
+        (
+            (
+                "graphattn::unified_attention_with_output.default",
+                "graphattn::unified_kv_cache_update.default",
+            ),
+            True,
+        ),
+        (("graphattn::unified_kv_cache_update",), False),
+        ((), False),
+    ],
+)
+def test_the_engine_reads_splitting_ops_as_the_splitter_does(ops, split):
+    """An overload name splits the model (passes/split.py), so the mode negotiation must
+    count it as split too; it used to lower PIECEWISE to NONE with a false reason.
+    """
+    from types import SimpleNamespace
+
+    from graphattn.engine import CompiledModel
+
+    config = ga.CompileConfig(splitting_ops=ops, compile_backend="inductor")
+    assert CompiledModel._attention_is_split(SimpleNamespace(config=config)) is split
+    none = ga.CompileConfig(splitting_ops=ops, compile_backend="none")
+    assert CompiledModel._attention_is_split(SimpleNamespace(config=none)) is False

@@ -37,6 +37,27 @@ def test_bad_fields(field, value, message):
         ga.CompileConfig(**{field: value})
 
 
+def test_full_decode_only_needs_a_size_a_decode_batch_pads_to():
+    # max_num_seqs=4: no decode batch can use 8 or 16, so the mode would capture nothing
+    with pytest.raises(ga.ConfigError) as err:
+        ga.CompileConfig(
+            cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=(8, 16), max_num_seqs=4
+        )
+    assert str(err.value) == (
+        "cudagraph_mode FULL_DECODE_ONLY captures graphs for decode batches only, of at most "
+        "max_num_seqs=4 requests, and needs a capture size <= 4; got "
+        "cudagraph_capture_sizes=[8, 16]"
+    )
+    ok = ga.CompileConfig(
+        cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=(4, 16), max_num_seqs=4
+    )
+    assert ok.has_decode_capture_size()
+    for mode in ("FULL", "PIECEWISE", "FULL_AND_PIECEWISE"):  # these have graphs for 8 and 16
+        cfg = ga.CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=(8, 16), max_num_seqs=4)
+        assert not cfg.has_decode_capture_size()
+    assert ga.CompileConfig(max_num_seqs=4).has_decode_capture_size()  # the default sizes
+
+
 def test_unknown_override_is_named():
     with pytest.raises(ga.ConfigError, match=r"unknown CompileConfig field\(s\) \['max_seqs'\]"):
         ga.CompileConfig.from_kwargs(None, max_seqs=3)
