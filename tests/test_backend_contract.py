@@ -8,6 +8,7 @@ from helpers import TableAttentionModel, assert_unchanged, eager_engine, snapsho
 
 import graphattn as ga
 from graphattn.attention.backends.torch_ref import TorchRefBackend, TorchRefMetadataBuilder
+from graphattn.attention.registry import registered_backends
 from graphattn.capture.mode import CUDAGraphMode
 from graphattn.capture.resolve import resolve_for_engine
 from graphattn.kv_cache import FullAttentionSpec, group_layers_by_spec
@@ -105,3 +106,57 @@ def test_cost_of_losing_piecewise_graphs(requested, resolved, cost):
         backend_name="TRITON",
     )
     assert mode == resolved and records[0].cost == cost
+
+
+class _WritesApart(TorchRefBackend.get_impl_cls()):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        raise AssertionError("never called: the test checks registration only")
+
+
+@pytest.mark.parametrize(
+    "members, message",
+    [
+        (  # the write in do_kv_cache_update, the flag left at its default: never called
+            {"get_impl_cls": staticmethod(lambda: _WritesApart)},
+            r"_WritesApart defines do_kv_cache_update, but WHERE_WRITE.forward_includes_kv_"
+            r"cache_update is True \(the default\), so the engine never calls it",
+        ),
+        (  # the flag says apart, the impl has no such method
+            {"forward_includes_kv_cache_update": False},
+            r"WHERE_WRITE.forward_includes_kv_cache_update is False, so the engine calls "
+            r"do_kv_cache_update before attention, but TorchRefImpl does not define it",
+        ),
+        ({"forward_includes_kv_cache_update": 0}, r"must be True or False, got 0"),
+        ({"get_impl_cls": staticmethod(lambda: object)}, r"must return an AttentionImpl subclass"),
+    ],
+)
+def test_the_cache_write_must_be_where_the_flag_says(members, message):
+    backend = type(
+        "B", (TorchRefBackend,), {"get_name": staticmethod(lambda: "WHERE_WRITE"), **members}
+    )
+    with pytest.raises(ga.BackendError, match=message):
+        ga.register_backend(backend, {"cpu": 1})
+    assert "WHERE_WRITE" not in registered_backends()
+
+
+def test_a_write_apart_with_the_flag_set_registers():
+    members = {
+        "get_name": staticmethod(lambda: "WRITE_APART"),
+        "get_impl_cls": staticmethod(lambda: _WritesApart),
+        "forward_includes_kv_cache_update": False,
+    }
+    backend = type("B", (TorchRefBackend,), members)
+    ga.register_backend(backend, {})  # no device: never selected
+    assert registered_backends()["WRITE_APART"] is backend
+
+
+def test_support_level_is_declared_on_the_class(registered):
+    def init(self, *args):
+        TorchRefMetadataBuilder.__init__(self, *args)
+        self.cudagraph_support = ga.AttentionCGSupport.ALWAYS
+
+    name = registered("INSTANCE_SUPPORT", builder_members={"__init__": init})
+    with pytest.raises(
+        ga.BackendError, match=r"sets cudagraph_support on an instance; the level is read from"
+    ):
+        _engine(name)

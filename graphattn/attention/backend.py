@@ -206,7 +206,10 @@ class AttentionImpl(ABC):
         slot_mapping: torch.Tensor,  # [T] int64, -1 for tokens to skip
     ) -> None:
         """Write the step's keys and values (backends whose forward does not)."""
-        raise NotImplementedError(f"{type(self).__name__} writes the KV cache inside forward")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no do_kv_cache_update: its backend must keep "
+            "forward_includes_kv_cache_update = True (the default) and write the cache in forward"
+        )
 
 
 class AttentionBackend(ABC):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphattn.attention.backend import AttentionBackend, AttentionSelectorConfig
+from graphattn.attention.backend import AttentionBackend, AttentionImpl, AttentionSelectorConfig
 from graphattn.errors import BackendError, BackendSelectionError
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -27,6 +27,7 @@ def register_backend(
     """
     _ensure_builtins()
     name = _checked_name(backend)
+    _check_cache_write(backend, name)
     ranks = _checked_priority(name, priority)
     key = name.upper()
     if key in _BACKENDS and _BACKENDS[key] is not backend and not replace:
@@ -52,6 +53,35 @@ def _checked_name(backend: object) -> str:
     if not isinstance(name, str) or not name:
         raise BackendError(f"{backend.__qualname__}.get_name() must return a name, got {name!r}")
     return name
+
+
+def _check_cache_write(backend: type[AttentionBackend], name: str) -> None:
+    """The impl writes the KV cache where the flag says: inside ``forward`` (True, the
+    default), or in ``do_kv_cache_update``, which the engine then calls first (False). A
+    mismatch would leave the cache unwritten (attention reads zeros) or fail at the first step.
+    """
+    impl = backend.get_impl_cls()
+    if not (isinstance(impl, type) and issubclass(impl, AttentionImpl)):
+        raise BackendError(
+            f"{name}.get_impl_cls() must return an AttentionImpl subclass, got {impl!r}"
+        )
+    flag = backend.forward_includes_kv_cache_update
+    if not isinstance(flag, bool):
+        raise BackendError(
+            f"{name}.forward_includes_kv_cache_update must be True or False, got {flag!r}"
+        )
+    writes_apart = impl.do_kv_cache_update is not AttentionImpl.do_kv_cache_update
+    if flag and writes_apart:
+        raise BackendError(
+            f"{impl.__qualname__} defines do_kv_cache_update, but {name}."
+            "forward_includes_kv_cache_update is True (the default), so the engine never calls "
+            "it: set it to False when do_kv_cache_update writes the cache"
+        )
+    if not flag and not writes_apart:
+        raise BackendError(
+            f"{name}.forward_includes_kv_cache_update is False, so the engine calls "
+            f"do_kv_cache_update before attention, but {impl.__qualname__} does not define it"
+        )
 
 
 def _checked_priority(name: str, priority: object) -> dict[str, int]:
