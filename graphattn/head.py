@@ -23,8 +23,15 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; one row without a bias goes through the GEMV (fp32
-    accumulation, as cuBLAS's), which only one-row shapes have measured configs for."""
-    if bias is None and x.dim() == 2 and x.shape[0] == 1 and x.device.type in KERNEL_DEVICES:
+    accumulation, as cuBLAS's), which only one-row shapes have measured configs for. The
+    GEMV has no backward: where autograd would record the call, ``F.linear`` runs."""
+    if (
+        bias is None
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.device.type in KERNEL_DEVICES
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
         # imported here so that `import graphattn` does not import Triton
         from graphattn.kernels.gemv import gemv, gemv_supported
 

@@ -296,3 +296,23 @@ def test_max_model_len_stays_within_the_models_positions():
     with pytest.raises(ga.InvalidBatchError, match="max_model_len is 2048"):
         eng.step(ga.Batch.from_requests([R([1], 2100, list(range(9)))]))
     assert_unchanged(eng, snap)
+
+
+class _TupleModel(TableAttentionModel):
+    """A model whose forward returns (hidden, extra), as some Hugging Face modules do."""
+
+    def forward(self, input_ids, positions):
+        return super().forward(input_ids, positions), None
+
+
+def test_a_forward_that_returns_a_tuple_is_named_uncompiled_too():
+    # the compiled path refuses it at its trace; uncompiled, the first step used to fail
+    # with "'tuple' object has no attribute 'shape'" deep in the runner
+    engine = eager_engine(_TupleModel(40, 4, 2, 64), num_blocks=8, max_model_len=96)
+    engine.kv_cache.allocate(1)
+    with pytest.raises(
+        ga.GraphAttnError,
+        match=r"forward\(input_ids, positions\) returns one tensor of hidden states; "
+        r"_TupleModel returned tuple",
+    ):
+        engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [0])]))

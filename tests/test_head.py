@@ -77,3 +77,21 @@ def test_gpu_llama_head_at_one_row(gemv_calls):
     assert rel_err(logits, F.linear(hidden, model.lm_head.weight)) < 8e-3
     two = model.compute_logits(hidden.expand(2, -1).contiguous())  # cuBLAS: same rows
     assert rel_err(two[0:1], logits) < 8e-3
+
+
+def test_a_call_autograd_records_goes_to_f_linear(monkeypatch, gemv_calls):
+    # the GEMV has no backward: a batch-1 loss through the example Llama's head would get no
+    # gradient; under no_grad (inference) the same call takes the GEMV
+    monkeypatch.setattr(head_mod, "KERNEL_DEVICES", ("cuda", "cpu"))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 64, generator=g, requires_grad=True)
+    w = torch.randn(40, 64, generator=g)
+    out = ga.linear(x, w)
+    assert gemv_calls == [] and out.grad_fn is not None
+    out.sum().backward()
+    assert torch.allclose(x.grad, w.sum(0, keepdim=True), atol=1e-5)
+    trainable = torch.nn.Parameter(w.clone())
+    assert ga.linear(x.detach(), trainable).grad_fn is not None and gemv_calls == []
+    with torch.no_grad():
+        ga.linear(x, trainable)
+    assert gemv_calls == [(1, 64)]

@@ -334,9 +334,24 @@ def test_shape_mismatch_says_expected_and_got(zoo, tmp_path):
 
 def test_unsupported_config_features_are_rejected(zoo):
     qwen = zoo.model("qwen2").config.to_dict()
-    sliding = {**qwen, "use_sliding_window": True, "sliding_window": 16}
+    layers = qwen["num_hidden_layers"]
+    # a config from before transformers wrote layer_types: layers max_window_layers and up slide
+    old = {k: v for k, v in qwen.items() if k != "layer_types"}
+    sliding = {**old, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
     with pytest.raises(UnsupportedModelError, match="use_sliding_window=True"):
         config_from_hf(sliding, "Qwen2ForCausalLM")
+    # the same with layer_types, as transformers 5 writes it
+    newer = {**qwen, **transformers.Qwen2Config(**sliding).to_dict()}
+    assert newer["layer_types"][-1] == "sliding_attention"
+    with pytest.raises(UnsupportedModelError, match="layer_types"):
+        config_from_hf(newer, "Qwen2ForCausalLM")
+    # no layer past max_window_layers, or no window: full attention, as transformers runs it
+    for full in (
+        {**sliding, "max_window_layers": layers},
+        {**sliding, "sliding_window": None},
+        {**qwen, **transformers.Qwen2Config(**{**sliding, "max_window_layers": layers}).to_dict()},
+    ):
+        config_from_hf(full, "Qwen2ForCausalLM")
     yarn = {**qwen, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}
     with pytest.raises(UnsupportedModelError, match="rope type 'yarn'"):
         config_from_hf(yarn, "Qwen2ForCausalLM")

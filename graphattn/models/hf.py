@@ -276,14 +276,26 @@ def _check_features(hf: dict[str, Any], family: str, architecture: str) -> None:
         raise unsupported("attention_bias=True (q/k/v/o biases; expected False)")
     if hf.get("mlp_bias"):
         raise unsupported("mlp_bias=True (expected False)")
-    if hf.get("use_sliding_window"):
+    if hf.get("use_sliding_window") and not hf.get("layer_types") and _some_layer_slides(hf):
         raise unsupported(
             f"use_sliding_window=True (sliding_window={hf.get('sliding_window')}, "
-            f"max_window_layers={hf.get('max_window_layers')}; expected full attention)"
+            f"max_window_layers={hf.get('max_window_layers')}, num_hidden_layers="
+            f"{hf.get('num_hidden_layers')}; expected full attention)"
         )
     layer_types = set(hf.get("layer_types") or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise unsupported(f"layer_types {sorted(layer_types)} (expected only 'full_attention')")
+
+
+def _some_layer_slides(hf: dict[str, Any]) -> bool:
+    """Under ``use_sliding_window``, transformers' Qwen2 slides layers ``max_window_layers``
+    and up when ``sliding_window`` is set; a config where that leaves no layer is full
+    attention. Without ``max_window_layers`` every layer is taken to slide.
+    """
+    if hf.get("sliding_window") is None:
+        return False
+    first, layers = hf.get("max_window_layers"), hf.get("num_hidden_layers")
+    return not (isinstance(first, int) and isinstance(layers, int) and first >= layers)
 
 
 def rope_settings(hf: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any] | None]:
