@@ -100,8 +100,12 @@ def base_factors(
     return {
         "engine": engine_factors,
         "compiler": compiler_settings,
-        "graphattn_compiler_source": source_hashes(_compiler_files()),
+        "graphattn_compiler_source": compiler_source_hashes(),
         "post_grad_passes": pass_uuid,
+        # Inductor lowers some ops differently under deterministic algorithms, and its CPU
+        # code is built for this machine's vector ISA (a shared folder may serve others)
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "cpu_isa": _cpu_isa(),
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": sys.version.split()[0],
@@ -190,6 +194,17 @@ def _load_artifact(payload: bytes, folder: str) -> Any:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
+
+
+def compiler_source_hashes() -> list[str]:
+    """The hashes of graphattn's compiler sources (``passes/*.py``)."""
+    return source_hashes(_compiler_files())
+
+
+def _cpu_isa() -> str:
+    """ATen's CPU capability (DEFAULT, AVX2, AVX512, ...): what Inductor's CPU code may use
+    differs with it. Asking Inductor itself would compile a probe (seconds at each start)."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _compiler_files() -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
@@ -35,7 +36,9 @@ class GraphPass(ABC):
     def __call__(self, graph: fx.Graph) -> int: ...
 
     def uuid(self) -> str:
-        source = inspect.getsource(type(self))
+        """The pass's key in Inductor's caches: the whole source of the module it is defined
+        in (a helper function changes what the pass does as much as the class does)."""
+        source = inspect.getsource(sys.modules[type(self).__module__])
         return hashlib.sha256(f"{self.name}\n{source}".encode()).hexdigest()
 
 
@@ -53,8 +56,14 @@ class PostGradPassManager(CustomGraphPass):
         graph.lint()
 
     def uuid(self) -> str:
+        """Inductor keys its own caches (the FX graph cache) on this: each pass's uuid and
+        every source file of graphattn's compiler, as graphattn's compile cache does, so a
+        pass whose matching lives in another module never gets a stale graph back."""
+        from graphattn.passes.cache import compiler_source_hashes
+
         joined = ",".join(p.uuid() for p in self.passes)
-        return hashlib.sha256(f"graphattn-post-grad:{joined}".encode()).hexdigest()
+        sources = ",".join(compiler_source_hashes())
+        return hashlib.sha256(f"graphattn-post-grad:{joined}:{sources}".encode()).hexdigest()
 
     @property
     def names(self) -> list[str]:

@@ -153,3 +153,36 @@ def test_inductor_runs_the_pass_manager_and_keys_its_cache_by_the_uuid():
     Count.token = uuid.uuid4().hex
     compile_and_check()
     assert len(seen) == 2  # a new uuid is a new cache key: compiled (and passed) again
+
+
+def test_a_pass_uuid_covers_its_whole_module(tmp_path, monkeypatch):
+    """noop_elimination and unfuse_residual_addmm match in module-level helpers: an edit
+    there must change the key Inductor's own FX graph cache uses, or a warm Inductor cache
+    hands back code the old pass made (and graphattn's cache stores it under its new key)."""
+    import importlib
+    import sys
+
+    source = (
+        "from graphattn.passes.pass_manager import GraphPass\n"
+        "def matches(node):\n    return {body}\n"
+        "class Edited(GraphPass):\n    name = 'edited'\n"
+        "    def __call__(self, graph):\n        return 0\n"
+    )
+    (tmp_path / "edited_pass.py").write_text(source.format(body="False"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("edited_pass")
+    before = module.Edited().uuid()
+    (tmp_path / "edited_pass.py").write_text(source.format(body="True"))  # the helper only
+    module = importlib.reload(module)
+    assert module.Edited().uuid() != before
+    sys.modules.pop("edited_pass")
+
+
+def test_the_manager_uuid_covers_graphattns_compiler_sources(monkeypatch):
+    from graphattn.passes import cache
+
+    manager = make_pass_manager(["noop_elimination", "unfuse_residual_addmm"])
+    before = manager.uuid()
+    assert manager.uuid() == before  # stable within a process
+    monkeypatch.setattr(cache, "compiler_source_hashes", lambda: ["unfuse_addmm.py:edited"])
+    assert manager.uuid() != before
