@@ -492,6 +492,14 @@ def _is_library_module(module: types.ModuleType) -> bool:
     return path.startswith(_TORCH_DIR) or in_stdlib
 
 
+def _is_library_class(cls: type) -> bool:
+    """A class of torch, numpy, the standard library or a builtin module."""
+    module = sys.modules.get(cls.__module__)
+    if cls.__module__.split(".")[0] in ("builtins", "torch", "numpy"):
+        return True
+    return module is None or _is_library_module(module)
+
+
 def _names(code: types.CodeType) -> set[str]:
     """The global and attribute names ``code`` and the code nested in it read."""
     names = set(code.co_names)
@@ -532,6 +540,7 @@ class _Describer:
         self.root = model
         self.paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         self.opaque: list[str] = []
+        self.read: set[str] = set()  # the attribute names the traced code reads (globals)
 
     def model(self) -> list[Any]:
         out = [
@@ -566,25 +575,33 @@ class _Describer:
 
     def global_value(self, value: Any, path: str, names: set[str]) -> Any:
         """A module global the traced code reads; of a module, the attributes in ``names``."""
+        self.read = names
         if isinstance(value, types.ModuleType):
-            if _is_library_module(value):
-                return f"module {value.__name__}"
-            attrs = vars(value)
-            read = sorted(n for n in names if n in attrs and not n.startswith("__"))
-            return [
-                "module",
-                value.__name__,
-                {n: self.value(attrs[n], f"{path}.{n}", 1) for n in read},
-            ]
+            return self._module_attrs(value, path, 0)
         return self.value(value, path, 0)
+
+    def _module_attrs(self, module: types.ModuleType, path: str, depth: int) -> Any:
+        """A module of the program's own by the attributes the traced code reads (``read``),
+        so ``pkg.sub.SCALE`` is seen through ``pkg`` and ``sub``; a library module by name.
+        """
+        if _is_library_module(module):
+            return f"module {module.__name__}"
+        attrs = vars(module)
+        read = sorted(n for n in self.read if n in attrs and not n.startswith("__"))
+        return [
+            "module",
+            module.__name__,
+            {n: self.value(attrs[n], f"{path}.{n}", depth + 1) for n in read},
+        ]
 
     def value(self, value: Any, path: str, depth: int) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
             return repr(value)
         if isinstance(value, bytes):
             return f"bytes:{hashlib.sha256(value).hexdigest()[:16]}"
-        if isinstance(value, enum.Enum):
-            return f"{_qualname(type(value))}.{value.name}"
+        if isinstance(value, enum.Enum):  # its value too: code may read member.value
+            member = f"{_qualname(type(value))}.{value.name}"
+            return [member, self.value(value.value, f"{path}.value", depth + 1)]
         if isinstance(value, (torch.dtype, torch.device, torch.Size, torch.memory_format)):
             return f"{type(value).__name__}:{value}"
         if isinstance(value, torch.Tensor):
@@ -596,10 +613,14 @@ class _Describer:
             return f"{type(value).__name__}:{value!r}"
         if isinstance(value, nn.Module) and id(value) in self.paths:
             return f"module at {self.paths[id(value)]!r}"  # described in its own entry
-        if isinstance(value, type):
-            return f"class {_qualname(value)}"
+        if isinstance(value, type):  # a class of the program's own: with its constants
+            own = depth < _DEPTH and not _is_library_class(value)
+            described = self._class_data(value, path, depth) if own else None
+            return ["class", described] if described else f"class {_qualname(value)}"
         if isinstance(value, types.ModuleType):
-            return f"module {value.__name__}"
+            if depth >= _DEPTH:
+                return f"module {value.__name__}"
+            return self._module_attrs(value, path, depth)
         if isinstance(value, logging.Logger):
             return f"logger {value.name}"
         if type(value).__module__ == "typing":  # typing.Any, Optional[...]: annotations
@@ -646,7 +667,13 @@ class _Describer:
         if attrs is None:
             return self._opaque(value, path, "no known form")
         described = {k: self.value(v, f"{path}.{k}", inner) for k, v in attrs.items()}
-        return [_qualname(type(value)), described]
+        # what the object reads from its class (``self.cfg.scale`` set on the class)
+        classes = [
+            self._class_data(cls, path, inner)
+            for cls in type(value).__mro__
+            if not _is_library_class(cls)
+        ]
+        return [_qualname(type(value)), described, [c for c in classes if c]]
 
     def _attributes(self, value: Any) -> dict[str, Any] | None:
         """An object's state: dataclass fields, ``__slots__`` and ``__dict__``; None for an
@@ -682,6 +709,20 @@ class _Describer:
             if not (k.startswith("__") and k.endswith("__")) and k != "_abc_impl"
         }
         return [_qualname(cls), attrs]
+
+    def _class_data(self, cls: type, path: str, depth: int) -> list[Any] | None:
+        """A class's own data attributes (constants such as ``Consts.SCALE``), not its
+        methods or properties: their code is in the source files the trace's checks hash.
+        """
+        code = (types.FunctionType, property, classmethod, staticmethod, functools.cached_property)
+        attrs = {
+            k: self.value(v, f"{path}<{cls.__name__}>.{k}", depth + 1)
+            for k, v in vars(cls).items()
+            if not (k.startswith("__") and k.endswith("__"))
+            and k != "_abc_impl"
+            and not isinstance(v, (*code, type))
+        }
+        return [_qualname(cls), attrs] if attrs else None
 
     def _opaque(self, value: Any, path: str, why: str) -> str:
         self.opaque.append(f"{path or '<model>'} ({type(value).__name__}: {why})")

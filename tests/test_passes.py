@@ -893,6 +893,82 @@ def test_globals_and_class_attributes_the_trace_read_are_checked(tmp_path, monke
     assert compile_and_check("trace cache").startswith("loaded")
 
 
+_DEEP_CONSTS = """
+class Consts:
+    SCALE = 2.0
+"""
+
+_DEEP_MODEL = """
+from torch import nn
+
+import tiny_deep_pkg.sub
+from tiny_deep_consts import Consts
+
+
+class Settings:  # a plain object the module holds; its class carries the value
+    shift = 1.0
+
+
+class UsesDeepValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.settings = Settings()
+
+    def forward(self, input_ids, positions):
+        x = (input_ids + positions).float()
+        return x * Consts.SCALE + tiny_deep_pkg.sub.OFFSET + self.settings.shift
+"""
+
+
+def test_constants_read_through_a_class_a_nested_module_or_an_objects_class_are_checked(
+    tmp_path, monkeypatch
+):
+    """The three forms the trace key used to describe by name only: a stale trace ran with
+    the old value baked in (a review's reproducer: 0.0 then 5.2 off after an edit)."""
+    code_dir = tmp_path / "code"
+    (code_dir / "tiny_deep_pkg").mkdir(parents=True)
+    (code_dir / "tiny_deep_pkg" / "__init__.py").write_text("")
+    (code_dir / "tiny_deep_pkg" / "sub.py").write_text("OFFSET = 3.0\n")
+    (code_dir / "tiny_deep_consts.py").write_text(_DEEP_CONSTS)
+    (code_dir / "tiny_deep_model.py").write_text(_DEEP_MODEL)
+    monkeypatch.syspath_prepend(str(code_dir))
+    import tiny_deep_consts
+    import tiny_deep_model as m
+    import tiny_deep_pkg.sub
+
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), cache_factors={"test": "deep"})
+
+    def compile_and_check(expect_source):
+        torch._dynamo.reset()
+        model = m.UsesDeepValues()
+        compiled = _compile(model, options, n=8)
+        assert compiled.info.trace_source == expect_source, compiled.info.trace_cache
+        _check_outputs(compiled, model)
+        return compiled.info.trace_cache
+
+    assert "saved" in compile_and_check("dynamo")
+    assert compile_and_check("trace cache").startswith("loaded")
+    monkeypatch.setattr(tiny_deep_consts.Consts, "SCALE", 5.0)
+    assert not compile_and_check("dynamo").startswith("loaded")
+    monkeypatch.setattr(tiny_deep_pkg.sub, "OFFSET", 7.0)
+    assert not compile_and_check("dynamo").startswith("loaded")
+    monkeypatch.setattr(m.Settings, "shift", 2.5)
+    assert not compile_and_check("dynamo").startswith("loaded")
+    assert compile_and_check("trace cache").startswith("loaded")
+
+
+def test_an_enum_member_is_described_with_its_value():
+    import enum
+
+    from graphattn.passes.trace_cache import _Describer
+
+    one = enum.Enum("Mode", {"A": 1}, module=__name__)
+    two = enum.Enum("Mode", {"A": 2}, module=__name__)  # the same member after an edit
+    describe = _Describer(nn.Module()).value
+    assert describe(one.A, "m", 0) != describe(two.A, "m", 0)
+    assert describe(one.A, "m", 0) == describe(one.A, "m", 0)
+
+
 _GLOBAL_TABLE = torch.arange(VOCAB, dtype=torch.float32)
 
 
@@ -1091,3 +1167,21 @@ def test_example_inputs_are_checked():
     only_ids = (torch.zeros(3, dtype=torch.long),)
     with pytest.raises(InvalidInputError, match=r"input_ids \[T\], positions \[T\]"):
         compile_model(ToyModel(1), _options("unused"), only_ids)
+
+
+def test_deterministic_algorithms_enter_the_key(tmp_path):
+    """Inductor lowers some ops differently under deterministic algorithms; a piece compiled
+    without them must not serve a process that asked for them."""
+    from graphattn.passes.compiler import _base_factors
+    from graphattn.passes.pass_manager import make_pass_manager
+
+    options = _options(tmp_path, compile_sizes=())
+    passes = make_pass_manager(options.passes)
+    before = _base_factors(options, passes, MAX_TOKENS)
+    assert before["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
+    try:
+        torch.use_deterministic_algorithms(True)
+        after = _base_factors(options, passes, MAX_TOKENS)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert (before["deterministic"], after["deterministic"]) == (False, True)
