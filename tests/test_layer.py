@@ -66,11 +66,35 @@ def test_context_nests_and_restores():
             dict(num_heads=4, head_size=64, scale=1.0, prefix="x", sliding_window=0),
             "sliding_window",
         ),
+        # a cap the kernels divide by (TRITON: ZeroDivisionError after the cache write) or
+        # that turns every score to NaN
+        *(
+            (
+                dict(num_heads=4, head_size=64, scale=1.0, prefix="x", logits_soft_cap=cap),
+                r"logits_soft_cap must be a finite number > 0, 0 or None, got",
+            )
+            for cap in (-5.0, float("inf"), float("nan"), "30", True)
+        ),
+        *(
+            (dict(num_heads=4, head_size=64, scale=s, prefix="x"), "scale must be a finite")
+            for s in (float("nan"), float("inf"), None)
+        ),
     ],
 )
 def test_bad_layer_arguments(kwargs, message):
     with pytest.raises(ga.ConfigError, match=message):
         ga.Attention(**kwargs)
+
+
+def test_a_soft_cap_of_zero_means_none():
+    # flash-attn's and checkpoint configs' convention; TORCH_REF used to compute uniform
+    # attention with it and TRITON to divide by zero
+    import numpy as np
+
+    layer = ga.Attention(4, 64, 0.125, prefix="x", logits_soft_cap=0)
+    assert layer.logits_soft_cap is None
+    assert ga.Attention(4, 64, 0.125, prefix="y", logits_soft_cap=30).logits_soft_cap == 30.0
+    assert ga.Attention(4, 64, np.float32(0.125), prefix="z").scale == 0.125
 
 
 def test_duplicate_layer_names_are_an_error():

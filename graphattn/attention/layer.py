@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
@@ -41,6 +44,13 @@ class Attention(nn.Module):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         _check_shape_args(num_heads, head_size, num_kv_heads, prefix, sliding_window)
+        logits_soft_cap = _checked_soft_cap(logits_soft_cap)
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, numbers.Real)
+            or not math.isfinite(scale)
+        ):
+            raise ConfigError(f"scale must be a finite number, got {scale!r}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -134,6 +144,16 @@ class Attention(nn.Module):
             f"{self.layer_name}: heads={self.num_heads}/{self.num_kv_heads}, "
             f"head_size={self.head_size}, backend={self.attn_backend.get_name()}{sw}"
         )
+
+
+def _checked_soft_cap(cap: object) -> float | None:
+    """None or a finite cap > 0; 0 means no cap, as flash-attn and checkpoint configs use it
+    (a cap of 0 divides by zero in the kernels, and inf or NaN turns every score to NaN)."""
+    if cap is None or (cap == 0 and not isinstance(cap, bool)):
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < cap < math.inf:
+        raise ConfigError(f"logits_soft_cap must be a finite number > 0, 0 or None, got {cap!r}")
+    return float(cap)
 
 
 def _check_shape_args(num_heads, head_size, num_kv_heads, prefix, sliding_window) -> None:

@@ -83,7 +83,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             if device.type == "cuda"
             else CPU_NUM_SMS
         )
-        self._splits: dict[tuple[int, int], int] = {}
+        self._splits: dict[int, int] = {}  # num_reqs -> splits
 
     def build(self, common_prefix_len: int, cam: CommonAttentionMetadata) -> TritonMetadata:
         return TritonMetadata(
@@ -108,14 +108,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         """Split-KV splits for a padded batch: more than one only for decode-sized batches
         with too few (request, KV head) pairs to fill the GPU.
         """
-        key = (num_tokens, num_reqs)
-        splits = self._splits.get(key)
+        if num_tokens > self.split_capacity:
+            return 1
+        splits = self._splits.get(num_reqs)  # at most max_num_seqs entries
         if splits is None:
-            splits = 1
-            if num_tokens <= self.split_capacity:
-                heads = self.kv_cache_spec.num_kv_heads
-                splits = choose_num_splits(num_reqs, heads, self.num_sms)
-            self._splits[key] = splits
+            heads = self.kv_cache_spec.num_kv_heads
+            splits = self._splits[num_reqs] = choose_num_splits(num_reqs, heads, self.num_sms)
         return splits
 
 
