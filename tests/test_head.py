@@ -70,12 +70,14 @@ def test_gpu_llama_head_at_one_row(gemv_calls):
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     torch.nn.init.normal_(model.lm_head.weight, std=0.02)
     hidden = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    logits = model.compute_logits(hidden)
+    with torch.inference_mode():  # as engine.compute_logits calls it
+        logits = model.compute_logits(hidden)
     assert len(gemv_calls) == 1
     ref = hidden.double() @ model.lm_head.weight.double().T
     assert rel_err(logits, ref) < 8e-3
     assert rel_err(logits, F.linear(hidden, model.lm_head.weight)) < 8e-3
-    two = model.compute_logits(hidden.expand(2, -1).contiguous())  # cuBLAS: same rows
+    with torch.inference_mode():
+        two = model.compute_logits(hidden.expand(2, -1).contiguous())  # cuBLAS: same rows
     assert rel_err(two[0:1], logits) < 8e-3
 
 
@@ -95,3 +97,20 @@ def test_a_call_autograd_records_goes_to_f_linear(monkeypatch, gemv_calls):
     with torch.no_grad():
         ga.linear(x, trainable)
     assert gemv_calls == [(1, 64)]
+
+
+def test_engine_compute_logits_takes_the_gemv(monkeypatch, gemv_calls):
+    """The head's weight is a parameter (requires_grad): only inference mode, where the
+    engine runs the head, lets one row take the GEMV, as the benchmark's decode step needs."""
+    from graphattn.models import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(head_mod, "KERNEL_DEVICES", ("cuda", "cpu"))
+    cfg = LlamaConfig.tiny(num_hidden_layers=1)
+    model = LlamaForCausalLM(cfg)
+    engine = ga.compile(model, compile_backend="none", num_blocks=8, max_model_len=64)
+    hidden = torch.randn(1, cfg.hidden_size)
+    logits = engine.compute_logits(hidden)
+    assert gemv_calls == [(1, cfg.hidden_size)]
+    assert rel_err(logits, F.linear(hidden, model.lm_head.weight.detach())) < 1e-5
+    assert model.compute_logits(hidden).grad_fn is not None  # a direct call keeps autograd
+    assert gemv_calls == [(1, cfg.hidden_size)]
