@@ -61,7 +61,7 @@ class CommonAttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32, computed + new tokens
-    seq_lens_cpu: torch.Tensor  # [num_reqs] int32, an upper bound of seq_lens
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int32, seq_lens on the host (the same values)
     max_seq_len: int
     num_reqs: int
     num_actual_tokens: int  # real tokens, before padding
