@@ -84,7 +84,8 @@ class CompileConfig:
             for a model whose code reads globals that change at run time).
         debug_dump_path: folder for decompiled code, graphs and Inductor output.
     Behaviour:
-        strict: raise instead of lowering the mode (a fallback becomes an error).
+        strict: raise instead of lowering the mode (per-step fallbacks and the start-up
+            warning for decode batches without a full graph are not lowerings).
         debug: extra checks (input addresses at replay, recompiles raise, a warm start
             traces anyway and compares with the trace cache's graph).
     """

@@ -46,6 +46,10 @@ def test_every_part_writes_its_entry(smoke_run):
     assert rows["graphattn eager"]["resolved_mode"] == "NONE"
     trace = data["trace"]["graphattn"]
     assert trace["steps_done"] == 6 and trace["stats"]["captures_after_startup"] == 0
+    # the reference runs at the mean batch of the steps the per-step time covers (all 6
+    # here: a trace of fewer than 101 steps has no "after 100" window)
+    assert trace["fixed_mean_batch"]["batch"] == round(trace["mean_batch_timed"])
+    assert trace["mean_batch_timed"] == trace["mean_batch"]
     assert "baseline" not in data["trace"]  # its baseline is reduce-overhead, not selected
     assert data["mixed"]["rows"][0]["tokens_per_s"] > 0
     host = data["host"]["graphattn"]["by_requests"]
