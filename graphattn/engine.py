@@ -163,14 +163,13 @@ class CompiledModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's ``compute_logits`` (``[T, H] -> [T, V]``), in inference mode as the
-        step runs (so ``ga.linear`` may take its GEMV, which autograd could not record)."""
+        """The model's ``compute_logits`` (``[T, H] -> [T, V]``), in inference mode (so
+        ``ga.linear`` may take its GEMV, which autograd could not record)."""
         if not hasattr(self.model, "compute_logits"):
             raise InvalidInputError(
                 f"{type(self.model).__name__} has no compute_logits(hidden); generate needs one"
             )
-        with _inference_mode():
-            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def generate(
         self,
