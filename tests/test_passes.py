@@ -859,6 +859,21 @@ class UsesGlobals(Base):
 """
 
 
+def _trace_checker(model_cls, options):
+    """Compiles a fresh ``model_cls()``, checks where its trace came from and its outputs,
+    and returns the trace cache's note."""
+
+    def compile_and_check(expect_source):
+        torch._dynamo.reset()  # a value seen twice would become a graph input otherwise
+        model = model_cls()
+        compiled = _compile(model, options, n=8)
+        assert compiled.info.trace_source == expect_source, compiled.info.trace_cache
+        _check_outputs(compiled, model)
+        return compiled.info.trace_cache
+
+    return compile_and_check
+
+
 def test_globals_and_class_attributes_the_trace_read_are_checked(tmp_path, monkeypatch):
     """Values from other files (a module's attribute, a from-import, a base class's
     attribute) are baked into the graph; a change to any of them, on disk or at run
@@ -873,14 +888,7 @@ def test_globals_and_class_attributes_the_trace_read_are_checked(tmp_path, monke
     import tiny_globals_model as m
 
     options = CompileOptions(cache_dir=str(tmp_path / "cache"), cache_factors={"test": "g"})
-
-    def compile_and_check(expect_source):
-        torch._dynamo.reset()  # a value seen twice would become a graph input otherwise
-        model = m.UsesGlobals()
-        compiled = _compile(model, options, n=8)
-        assert compiled.info.trace_source == expect_source, compiled.info.trace_cache
-        _check_outputs(compiled, model)
-        return compiled.info.trace_cache
+    compile_and_check = _trace_checker(m.UsesGlobals, options)
 
     assert "saved" in compile_and_check("dynamo")
     assert compile_and_check("trace cache").startswith("loaded")
@@ -937,14 +945,7 @@ def test_constants_read_through_a_class_a_nested_module_or_an_objects_class_are_
     import tiny_deep_pkg.sub
 
     options = CompileOptions(cache_dir=str(tmp_path / "cache"), cache_factors={"test": "deep"})
-
-    def compile_and_check(expect_source):
-        torch._dynamo.reset()
-        model = m.UsesDeepValues()
-        compiled = _compile(model, options, n=8)
-        assert compiled.info.trace_source == expect_source, compiled.info.trace_cache
-        _check_outputs(compiled, model)
-        return compiled.info.trace_cache
+    compile_and_check = _trace_checker(m.UsesDeepValues, options)
 
     assert "saved" in compile_and_check("dynamo")
     assert compile_and_check("trace cache").startswith("loaded")
