@@ -368,10 +368,21 @@ def summarize_ms(values: list[float]) -> dict[str, float]:
 
 
 def run_trace(
-    step: Callable[[int], Any], num_steps: int, device: str, budget_s: float | None = None
+    step: Callable[[int], Any],
+    num_steps: int,
+    device: str,
+    budget_s: float | None = None,
+    progress: Callable[[dict], None] | None = None,
+    progress_every_s: float = 5.0,
 ) -> dict:
     """Steps 0..num_steps-1 back to back (synchronized after the first, the 100th and the
     last); stops before a step once ``budget_s`` seconds have passed since the first began.
+
+    ``progress``, if given, gets what is known so far (steps done, the first step's seconds,
+    the first 100 steps' seconds once reached, seconds since the start by the host's clock)
+    after the first step, the 100th, and after any step that ends ``progress_every_s`` or
+    more after the last report: a process stopped from outside inside a long trace can still
+    say how far it got.
     """
     start = time.perf_counter()
     step(0)
@@ -379,6 +390,20 @@ def run_trace(
     first = time.perf_counter()
     mark = None
     done = 1
+
+    def report() -> float:
+        now = time.perf_counter()
+        progress(
+            {
+                "steps_done": done,
+                "first_step_s": first - start,
+                "first_100_s": (mark - start) if mark else None,
+                "elapsed_s": now - start,
+            }
+        )
+        return now
+
+    reported = report() if progress else first
     for i in range(1, num_steps):
         if budget_s is not None and time.perf_counter() - start > budget_s:
             break
@@ -387,6 +412,8 @@ def run_trace(
         if done == 100:
             synchronize(device)
             mark = time.perf_counter()
+        if progress and (done == 100 or time.perf_counter() - reported >= progress_every_s):
+            reported = report()
     synchronize(device)
     end = time.perf_counter()
     out = {
@@ -1203,9 +1230,16 @@ def time_baseline_batch(base: StaticLlama, kind: str, b: int, s: Settings, rng) 
     return timing
 
 
-def baseline_trace(base: StaticLlama, s: Settings, rng, deadline: Deadline) -> dict:
+def baseline_trace(
+    base: StaticLlama,
+    s: Settings,
+    rng,
+    deadline: Deadline,
+    progress: Callable[[dict], None] | None = None,
+) -> dict:
     """The trace under reduce-overhead with a dynamic batch (rows 0..B-1), within a budget:
-    ``--trace-budget``, cut to what ``--time-limit`` leaves (at least 30 s).
+    ``--trace-budget``, cut to what ``--time-limit`` leaves (at least 30 s). ``progress`` is
+    ``run_trace``'s.
 
     Without CUDA (smoke) torch.compile's default mode with a dynamic batch stands in.
     """
@@ -1224,6 +1258,7 @@ def baseline_trace(base: StaticLlama, s: Settings, rng, deadline: Deadline) -> d
             len(sizes),
             s.device,
             budget,
+            progress,
         )
     done = sizes[: out["steps_done"]]
     out |= {
@@ -1299,12 +1334,18 @@ def stopped_while_running(res: Results, status: str, now_s: float) -> None:
     if not row or row.get("status") != RUNNING:
         return
     ran = now_s - row["began_s"]
+    got = ""
+    if sofar := row.get("progress"):
+        got = f" ({sofar['steps_done']} step(s) done, the first in {sofar['first_step_s']:.1f} s"
+        if sofar.get("first_100_s") is not None:
+            got += f", the first 100 in {sofar['first_100_s']:.1f} s"
+        got += ")"
     res.put(
         "trace",
         "baseline",
         row
         | {
-            "status": f"{status}: stopped {ran:.0f} s into the trace, before it ended",
+            "status": f"{status}: stopped {ran:.0f} s into the trace, before it ended{got}",
             "ran_s": ran,
         },
     )
@@ -1313,8 +1354,14 @@ def stopped_while_running(res: Results, status: str, now_s: float) -> None:
 def baseline_trace_entry(base, s: Settings, rng, deadline: Deadline, res: Results) -> dict:
     if deadline.left() < 30:
         return {"label": "baseline", "status": deadline.status}
+
+    def progress(sofar: dict) -> None:
+        # the row saved as running (run_baselines) gains how far the trace has got
+        res.put("trace", "baseline", res.data["trace"]["baseline"] | {"progress": sofar})
+        res.save()
+
     try:
-        return baseline_trace(base, s, rng, deadline)
+        return baseline_trace(base, s, rng, deadline, progress)
     except Exception as e:
         return {"label": "baseline", "status": res.error("baseline: trace", e)}
 
@@ -1962,13 +2009,15 @@ def table_trace(data: dict) -> list[str]:
         f"continuous-batching trace ({s['trace_steps']} steps, batch uniform in "
         f"1..{s['trace_max_batch']}, seed {s['seed']}; baseline budget {s['trace_budget_s']:.0f} s)"
     ]
-    rows = []
+    rows, notes = [], []
     for key in ("graphattn", "baseline"):
         e = trace.get(key)
         if not e:
             continue
         if e.get("status", "ok") != "ok":
             rows.append([e.get("label"), e["status"][:70], "", "", "", ""])
+            if len(e["status"]) > 70:
+                notes.append(f"  {e.get('label')}: {e['status']}")
             continue
         if key == "graphattn":
             graphs = (
@@ -1987,7 +2036,7 @@ def table_trace(data: dict) -> list[str]:
             ]
         )
     header = ["config", "steps", "total s", "first 100 s", "ms/step after 100", "graphs"]
-    lines += _rows_table(header, rows)
+    lines += _rows_table(header, rows) + notes
     g = trace.get("graphattn") or {}
     fixed = g.get("fixed_mean_batch")
     if fixed:

@@ -286,7 +286,8 @@ def test_a_trace_stopped_by_the_timeout_says_how_long_it_ran(tmp_path, monkeypat
 spec = json.loads(sys.argv[sys.argv.index("--config-child") + 1])
 out = sys.argv[sys.argv.index("--out") + 1]
 if spec["job"] == "baselines":
-    row = {"label": "baseline", "status": "running", "began_s": 0.0}
+    sofar = {"steps_done": 3, "first_step_s": 81.25, "first_100_s": None, "elapsed_s": 90.0}
+    row = {"label": "baseline", "status": "running", "began_s": 0.0, "progress": sofar}
     json.dump({"meta": {}, "errors": [], "trace": {"baseline": row}}, open(out, "w"))
     time.sleep(60)
 """
@@ -297,9 +298,33 @@ if spec["job"] == "baselines":
     row = json.loads(out.read_text())["trace"]["baseline"]
     status = "unavailable: no answer within --config-timeout 1 s: stopped "
     assert row["status"].startswith(status) and row["status"].endswith(
-        " s into the trace, before it ended"
+        " s into the trace, before it ended (3 step(s) done, the first in 81.2 s)"
     )
     assert row["ran_s"] >= 1.0
+    assert row["progress"]["steps_done"] == 3  # what the process last saved is kept
+    table = "\n".join(decode.table_trace(json.loads(out.read_text())))
+    assert "(3 step(s) done, the first in 81.2 s)" in table  # the whole status, not cut
+
+
+def test_run_trace_reports_progress_for_a_process_stopped_inside_it(monkeypatch):
+    """run_trace tells its progress callback how far it got after the first step, at the
+    100th, and whenever the last report is older than progress_every_s; its result holds the
+    same counts."""
+    clock = iter(float(t) for t in range(10_000))
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: next(clock))
+    seen = []
+    out = decode.run_trace(
+        lambda i: None, 150, "cpu", budget_s=None, progress=seen.append, progress_every_s=60.0
+    )
+    assert out["steps_done"] == 150
+    assert seen[0]["steps_done"] == 1 and seen[0]["first_100_s"] is None
+    at_100 = [p for p in seen if p["steps_done"] == 100]
+    assert len(at_100) == 1 and at_100[0]["first_100_s"] == out["first_100_s"]
+    # each perf_counter call advances the fake clock one second: reports come about every
+    # 60 of them (two calls a step), so a few land between the first and the end
+    assert 3 <= len(seen) <= 8
+    assert [p["steps_done"] for p in seen] == sorted(p["steps_done"] for p in seen)
+    assert all(p["first_step_s"] == out["first_step_s"] for p in seen)
 
 
 def test_baselines_run_the_trace_last(tmp_path, monkeypatch):
