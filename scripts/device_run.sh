@@ -5,7 +5,8 @@
 # (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
 # pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py),
 # mlp (benchmarks/fused_mlp.py), nodes (benchmarks/graph_nodes.py, GA_NODES_BATCHES),
-# persistent (benchmarks/persistent_chain.py), demo. Extra pytest/benchmark arguments come
+# persistent (benchmarks/persistent_chain.py), trace (decode.py's continuous-batching trace
+# alone, with the reduce-overhead baseline given the time the full run cannot give it), demo. Extra pytest/benchmark arguments come
 # from GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail
@@ -28,6 +29,8 @@ for part in "$@"; do
              | tee "$OUT/attention.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     decode) eval "python3 benchmarks/decode.py --out $OUT/decode.json --plot $OUT/decode.png ${GA_DECODE_ARGS:-}" 2>&1 \
              | tee "$OUT/decode.log" | tail -60; rc=${PIPESTATUS[0]} ;;
+    trace) eval "python3 benchmarks/decode.py --out $OUT/decode-trace.json --parts trace --modes FULL_AND_PIECEWISE --baselines reduce-overhead --trace-budget 180 --config-timeout 320 --time-limit 330 ${GA_DECODE_ARGS:-}" 2>&1 \
+             | tee "$OUT/decode-trace.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     profile) for b in ${GA_PROFILE_BATCHES:-1 32 256}; do
                python3 benchmarks/profile_decode.py --batch "$b" --host-steps 200 \
                  --out "$OUT/profile-bs$b.json" || exit 1
