@@ -65,21 +65,98 @@ def _check_general(batch: Batch, limits: BatchLimits) -> int:
         or (needed > batch.num_block_ids).any()
     ):
         _explain_request_error(batch, seq_lens, needed, limits)
-    _check_block_ids(batch, -(-longest // limits.block_size), limits.num_blocks)
+    _check_block_ids(batch, -(-longest // limits.block_size), limits.num_blocks, limits.block_size)
     tokens = batch.token_ids
     if limits.vocab_size is not None and tokens.size and not _in_range(tokens, limits.vocab_size):
         _explain_token_error(batch, limits.vocab_size)
+    _check_writes(batch, limits.block_size)
     return longest
+
+
+def _check_writes(batch: Batch, block_size: int) -> None:
+    """Every block the step writes into belongs to one request, at one entry of its table:
+    two requests writing one block, or one request whose new tokens span two entries naming
+    the same block, would overwrite keys and values. Blocks shared read-only (a common
+    prefix) are not written and not checked. Not checked either, as it would cost a scan of
+    every table on every step: a written block that is also an earlier entry of the same
+    request's table, or a block another request reads; a request's blocks must be distinct
+    and a block it writes its own."""
+    q = batch.query_lens.astype(np.int64)
+    req = np.repeat(np.arange(batch.num_reqs), q)
+    starts = np.cumsum(q) - q
+    pos = batch.num_computed_tokens[req].astype(np.int64) + (np.arange(len(req)) - starts[req])
+    blocks = batch.block_table[req, pos // block_size].astype(np.int64)
+    slots = blocks * block_size + pos % block_size
+    order = np.argsort(slots, kind="stable")
+    # sorted by slot, a block's slots are neighbours: any two of them from two requests, or
+    # from two of one request's table entries, meet somewhere as a pair
+    blocks, req, pos = blocks[order], req[order], pos[order]
+    same_block = blocks[1:] == blocks[:-1]
+    other_req = req[1:] != req[:-1]
+    other_entry = pos[1:] // block_size != pos[:-1] // block_size
+    bad = same_block & (other_req | other_entry)
+    if bad.any():
+        k = int(np.argmax(bad))
+        _raise_shared_write(
+            int(req[k]), int(pos[k]), int(req[k + 1]), int(pos[k + 1]), int(blocks[k])
+        )
+
+
+def _raise_shared_write(req_a: int, pos_a: int, req_b: int, pos_b: int, block: int) -> None:
+    if req_a == req_b:
+        first, second = sorted((pos_a, pos_b))
+        raise InvalidBatchError(
+            f"request {req_a} writes block {block} for positions {first} and {second}: its "
+            f"block_ids repeat that block; a request's blocks must be distinct"
+        )
+    if req_a > req_b:
+        req_a, pos_a, req_b, pos_b = req_b, pos_b, req_a, pos_a
+    raise InvalidBatchError(
+        f"requests {req_a} and {req_b} both write block {block} in this step (positions "
+        f"{pos_a} and {pos_b}); a block a step writes into must belong to one request "
+        f"(share only full prefix blocks, which no request writes)"
+    )
+
+
+def _check_decode_writes(batch: Batch, block_size: int) -> None:
+    """``_check_writes`` for one-token requests: the blocks they write, sorted, have no
+    neighbours alike (a request writes one slot, so only other requests can collide)."""
+    r = batch.num_reqs
+    if r < 2:
+        return
+    table = batch.block_table
+    entry = batch.num_computed_tokens // block_size
+    if table.flags.c_contiguous:  # one gather from the flat table: a third of a 2-D index's cost
+        entry += _row_starts(r, table.shape[1])
+        written = table.ravel().take(entry)
+    else:
+        written = table[np.arange(r), entry]
+    written.sort()
+    if (written[1:] == written[:-1]).any():
+        _check_writes(batch, block_size)  # raises, naming the requests
+
+
+def _row_starts(r: int, width: int) -> np.ndarray:
+    """``[0, width, 2 * width, ...]`` for ``r`` rows (int32), kept per width."""
+    starts = _ROW_STARTS.get(width)
+    if starts is None or len(starts) < r:
+        if len(_ROW_STARTS) >= _FILLED_KEYS:
+            _ROW_STARTS.clear()
+        starts = _ROW_STARTS[width] = np.arange(max(r, 256), dtype=np.int32) * width
+    return starts[:r]
+
+
+_ROW_STARTS: dict[int, np.ndarray] = {}
 
 
 def _is_decode_layout(batch: Batch) -> bool:
     """The arrays have the dtypes ``Batch.from_arrays`` gives (the decode checks read them
     as unsigned)."""
     return (
-        batch.query_lens.dtype == np.int32
-        and batch.num_computed_tokens.dtype == np.int32
-        and batch.block_table.dtype == np.int32
-        and batch.token_ids.dtype == np.int64
+        getattr(batch.query_lens, "dtype", None) == np.int32
+        and getattr(batch.num_computed_tokens, "dtype", None) == np.int32
+        and getattr(batch.block_table, "dtype", None) == np.int32
+        and getattr(batch.token_ids, "dtype", None) == np.int64
     )
 
 
@@ -91,10 +168,11 @@ def _check_decode(batch: Batch, limits: BatchLimits) -> int:
     the largest position with the table's width. On any failure the general checks run and
     name the request.
     """
-    computed, declared = batch.num_computed_tokens, batch.num_block_ids
-    width, block_size = batch.block_table.shape[1], limits.block_size
-    if computed.shape != (batch.num_reqs,) or declared.shape != (batch.num_reqs,):
+    computed, declared, table = batch.num_computed_tokens, batch.num_block_ids, batch.block_table
+    r = batch.num_reqs
+    if computed.shape != (r,) or declared.shape != (r,) or table.ndim != 2 or len(table) != r:
         _check_shapes(batch)  # raises
+    width, block_size = table.shape[1], limits.block_size
     last = int(_umax(computed))  # the largest position written
     if _all_equal(declared, width):
         enough = last // block_size < width
@@ -103,9 +181,10 @@ def _check_decode(batch: Batch, limits: BatchLimits) -> int:
     if last >= limits.max_model_len or not enough:
         _check_shapes(batch)
         return _check_general(batch, limits)
-    _check_block_ids(batch, last // block_size + 1, limits.num_blocks)
+    _check_block_ids(batch, last // block_size + 1, limits.num_blocks, block_size)
     if limits.vocab_size is not None and _umax(batch.token_ids) >= limits.vocab_size:
         _explain_token_error(batch, limits.vocab_size)
+    _check_decode_writes(batch, block_size)
     return last + 1
 
 
@@ -164,7 +243,24 @@ def _explain_request_error(
 
 
 def _check_shapes(batch: Batch) -> None:
+    for name in ("token_ids", "query_lens", "num_computed_tokens", "block_table", "num_block_ids"):
+        value = getattr(batch, name)
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu":
+            kind = f"{value.dtype} array" if isinstance(value, np.ndarray) else type(value).__name__
+            raise InvalidBatchError(
+                f"{name} must be a numpy integer array (build batches with Batch.from_requests "
+                f"or Batch.from_arrays), got a {kind}"
+            )
+        ndim = 2 if name == "block_table" else 1
+        if value.ndim != ndim:
+            raise InvalidBatchError(
+                f"{name} must have {ndim} dimension(s), got shape {list(value.shape)}"
+            )
     r = batch.num_reqs
+    if batch.block_table.shape[0] != r:
+        raise InvalidBatchError(
+            f"block_table must be [requests ({r}), blocks], got shape {list(batch.block_table.shape)}"
+        )
     for name in ("num_computed_tokens", "num_block_ids"):
         if getattr(batch, name).shape != (r,):
             raise InvalidBatchError(
@@ -176,19 +272,24 @@ def _check_shapes(batch: Batch) -> None:
         raise InvalidBatchError(
             f"query_lens sum to {total} but the batch has {batch.num_tokens} token ids"
         )
-    if batch.num_block_ids.max() > batch.block_table.shape[1]:
+    width = batch.block_table.shape[1]
+    if batch.num_block_ids.max() > width:
+        i = int(np.argmax(batch.num_block_ids > width))
         raise InvalidBatchError(
-            f"num_block_ids exceeds the block table's width {batch.block_table.shape[1]}"
+            f"request {i} declares {batch.num_block_ids[i]} block ids; the block table has "
+            f"{width} columns"
         )
 
 
-def _check_block_ids(batch: Batch, width: int, num_blocks: int) -> None:
-    """Every block id a request uses (its first ``num_block_ids``, within the first
-    ``width`` columns) is in the cache."""
+def _check_block_ids(batch: Batch, width: int, num_blocks: int, block_size: int) -> None:
+    """Every block id a request uses (the blocks its tokens so far and this step's fill,
+    within the first ``width`` columns: the longest request's) is in the cache. Entries a
+    request does not use may hold anything, whatever its batchmates need."""
     table = batch.block_table[:, :width]
     if table.size == 0 or _in_range(table, num_blocks):
-        return  # every entry of the columns in use is valid, declared or not
-    used = np.arange(width)[None, :] < batch.num_block_ids[:, None]
+        return  # every entry of the columns in use is valid, used or not
+    seq_lens = batch.num_computed_tokens.astype(np.int64) + batch.query_lens
+    used = np.arange(width)[None, :] < -(-seq_lens // block_size)[:, None]
     bad = used & ((table < 0) | (table >= num_blocks))
     if bad.any():
         i, j = (int(x) for x in np.argwhere(bad)[0])

@@ -32,6 +32,9 @@ BAD_BATCHES = {
     "token outside the vocabulary": ([R([1, 40], 0, [0])], "token id 40"),
     "negative computed tokens": ([R([1], -2, [0])], "num_computed_tokens"),
     "no requests": ([], "no requests"),
+    "two requests write one block": ([R([1], 3, [2]), R([1], 5, [2])], "requests 0 and 1 both"),
+    "the same request twice": ([R([1], 20, [0, 1]), R([1], 20, [0, 1])], "both write block 1"),
+    "a request repeats a block it writes": ([R([1] * 20, 0, [2, 2])], "request 0 writes block 2"),
 }
 
 
@@ -316,3 +319,21 @@ def test_a_forward_that_returns_a_tuple_is_named_uncompiled_too():
         r"_TupleModel returned tuple",
     ):
         engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [0])]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_table_entries_a_request_does_not_use_may_hold_anything(device):
+    """Past the blocks a request uses, its row may hold junk (a reused np.empty table): the
+    step runs and gives what the -1-padded table gives, on TORCH_REF, which reads whole
+    rows up to the longest request's blocks."""
+    model = TableAttentionModel(40, 4, 2, 64).to(device)
+    eng = eager_engine(model, max_num_seqs=4, max_num_tokens=64, num_blocks=8, max_model_len=96)
+    eng.kv_cache.allocate(4)
+    eng.step(ga.Batch.from_requests([R(list(range(20)), 0, [0, 1]), R(list(range(3)), 0, [2])]))
+    tokens, ones = np.array([5, 6]), np.ones(2, np.int32)
+    computed, declared = np.array([20, 3], np.int32), np.array([2, 1], np.int32)
+    outs = []
+    for junk in (-1, 1_000_000):
+        table = np.array([[0, 1], [2, junk]], np.int32)
+        outs.append(eng.step(ga.Batch.from_arrays(tokens, ones, computed, table, declared)))
+    torch.testing.assert_close(outs[0], outs[1])

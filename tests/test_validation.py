@@ -88,7 +88,9 @@ def test_check_batch_agrees_with_the_general_checks(batch):
 
 def test_num_block_ids_wider_than_the_table_is_named_on_the_decode_path():
     batch = _decode([3, 4], [[0], [1]], num_block_ids=[1, 2])
-    with pytest.raises(ga.InvalidBatchError, match="exceeds the block table's width 1"):
+    with pytest.raises(
+        ga.InvalidBatchError, match="request 1 declares 2 block ids; the block table has 1 columns"
+    ):
         check_batch(batch, LIMITS)
 
 
@@ -144,6 +146,80 @@ def test_mixed_batches_return_their_longest_sequence(query_lens, computed):
     q = np.array(query_lens, np.int32)
     c = np.array(computed, np.int32)
     tokens = np.arange(int(q.sum()), dtype=np.int64) % 50
-    table = np.tile(np.arange(5, dtype=np.int32), (len(q), 1))
-    batch = ga.Batch.from_arrays(tokens, q, c, table)
+    batch = ga.Batch.from_arrays(tokens, q, c, *_own_blocks(c + q))
     assert check_batch(batch, LIMITS) == int((c + q).max())
+
+
+def _own_blocks(seq_lens, block_size=16):
+    """A -1-padded table giving each request blocks of its own, and their counts."""
+    needed = [-(-int(n) // block_size) for n in seq_lens]
+    table = np.full((len(needed), max(needed)), -1, np.int32)
+    first = 0
+    for row, n in enumerate(needed):
+        table[row, :n] = np.arange(first, first + n)
+        first += n
+    return table, np.array(needed, np.int32)
+
+
+@pytest.mark.parametrize(
+    "query_lens, computed, table, message",
+    [
+        # two decodes write block 1 (offsets 4 and 5): the decode path
+        ([1, 1], [20, 21], [[0, 1], [2, 1]], "requests 0 and 1 both write block 1"),
+        # two decodes at the same slot
+        ([1, 1], [4, 4], [[3], [3]], "requests 0 and 1 both write block 3"),
+        # a prefill chunk and a decode writing one block: the general path
+        ([3, 1], [0, 5], [[4], [4]], "requests 0 and 1 both write block 4"),
+        # one request's table repeats the block its chunk spills into
+        ([4], [14], [[2, 2]], "request 0 writes block 2 for positions 14 and 17"),
+    ],
+)
+def test_a_block_two_writes_land_in_is_an_error(query_lens, computed, table, message):
+    """Keys and values of one step never overwrite each other: a block written in a step
+    belongs to one request, and a request's written slots are distinct."""
+    q = np.array(query_lens, np.int32)
+    tokens = np.arange(int(q.sum()), dtype=np.int64)
+    batch = ga.Batch.from_arrays(tokens, q, np.array(computed, np.int32), np.array(table))
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        check_batch(batch, LIMITS)
+
+
+def test_a_full_prefix_block_may_be_shared():
+    """Requests reading one full block (a common prefix) and writing blocks of their own."""
+    batch = _decode([16, 17, 20], [[0, 1], [0, 2], [0, 3]])
+    assert check_batch(batch, LIMITS) == 21
+    chunks = ga.Batch.from_arrays(
+        np.arange(5), np.array([3, 2], np.int32), np.array([16, 16], np.int32),
+        np.array([[0, 1], [0, 2]], np.int32),
+    )  # fmt: skip
+    assert check_batch(chunks, LIMITS) == 19
+
+
+def test_entries_a_request_does_not_use_are_not_checked_whatever_its_batchmates_need():
+    """Request 0 needs one block; its second entry (junk) is not checked, alone or beside a
+    request that needs two columns."""
+    alone = _decode([3], [[5, 99]])
+    beside = _decode([3, 20], [[5, 99], [2, 3]])
+    assert check_batch(alone, LIMITS) == 4
+    assert check_batch(beside, LIMITS) == 21
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"token_ids": [1, 2]}, "token_ids must be a numpy integer array .* got a list"),
+        ({"block_table": np.zeros((1, 2), np.int32)}, r"block_table must be \[requests \(2\)"),
+        ({"block_table": np.zeros(4, np.int32)}, "block_table must have 2 dimension"),
+        ({"query_lens": np.ones(2, np.float32)}, "query_lens must be a numpy integer array"),
+    ],
+)
+def test_a_batch_built_by_hand_is_checked_like_one_from_arrays(fields, message):
+    good = {
+        "token_ids": np.array([1, 2], np.int64),
+        "query_lens": np.ones(2, np.int32),
+        "num_computed_tokens": np.array([3, 4], np.int32),
+        "block_table": np.array([[0], [1]], np.int32),
+        "num_block_ids": np.ones(2, np.int32),
+    }
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        check_batch(ga.Batch(**(good | fields)), LIMITS)

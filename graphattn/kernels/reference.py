@@ -96,6 +96,9 @@ def _decode_batch(
     lens = torch.as_tensor(seq_lens[:num_decodes], device=query.device)
     max_blocks = max(1, -(-int(lens.max()) // block_size))
     blocks = block_table[:num_decodes, :max_blocks].long()  # [N, MB]
+    # a shorter request's columns past its last block hold whatever the caller left there
+    # (-1 or any value: never checked, never attended to); read block 0 for them instead
+    blocks = blocks.masked_fill((blocks < 0) | (blocks >= key_cache.shape[0]), 0)
     keys = key_cache[blocks].flatten(1, 2)  # [N, MB*BS, Hkv, D]
     values = value_cache[blocks].flatten(1, 2)
     k_pos = torch.arange(keys.shape[1], device=query.device)[None, None, :]  # [1, 1, S]
