@@ -54,7 +54,17 @@ class Batch:
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request]) -> Batch:
-        """Arrays from ``Request`` objects; a malformed request is an ``InvalidBatchError``."""
+        """Arrays from ``Request`` objects (any iterable of them); a malformed request is an
+        ``InvalidBatchError``."""
+        try:
+            requests = list(requests)
+        except TypeError:
+            raise InvalidBatchError(
+                f"expected an iterable of ga.Request, got {type(requests).__name__}"
+            ) from None
+        for i, r in enumerate(requests):
+            if not isinstance(r, Request):
+                raise InvalidBatchError(f"request {i} must be a ga.Request, got {type(r).__name__}")
         token_lists = [_token_array(i, r.token_ids) for i, r in enumerate(requests)]
         blocks = [_int_list(i, "block_ids", r.block_ids, _INT32) for i, r in enumerate(requests)]
         computed = [_nonnegative(i, r.num_computed_tokens) for i, r in enumerate(requests)]

@@ -122,8 +122,13 @@ class CompileConfig:
         self._set("dtype", parse_dtype(self.dtype, "dtype"))
         if self.kv_cache_dtype is None:
             raise ConfigError('kv_cache_dtype must be "auto" or a float dtype, got None')
-        if self.kv_cache_dtype != "auto":
-            parse_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        if isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype.lower() == "auto":
+            self._set("kv_cache_dtype", "auto")
+        else:
+            try:
+                parse_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+            except ConfigError as e:
+                raise ConfigError(f'{e} (or "auto": the activation dtype)') from None
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise ConfigError(
                 f"attention_backend must be a backend name or None, got {self.attention_backend!r}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -53,6 +54,14 @@ class CompiledModel:
 
     def __init__(self, model: nn.Module, config: CompileConfig) -> None:
         start = time.perf_counter()
+        if not isinstance(model, nn.Module):
+            what = (
+                f"the class {model.__name__}" if isinstance(model, type) else type(model).__name__
+            )
+            raise InvalidInputError(
+                f"expected an nn.Module instance (ga.models.load(path) for a checkpoint), got "
+                f"{what}"
+            )
         self.model = model
         max_model_len, self.max_model_len_from = config.resolved_max_model_len(
             _declared_positions(model)
@@ -323,14 +332,13 @@ class CompiledModel:
 
     def _limits(self) -> BatchLimits:
         c = self.config
-        vocab = getattr(self.model, "vocab_size", None)
         return BatchLimits(
             c.max_num_seqs,
             c.max_num_tokens,
             c.max_model_len,
             c.block_size,
             c.num_blocks,
-            vocab if isinstance(vocab, int) else None,
+            _declared_vocab(self.model),
         )
 
     def _make_report(self, seconds: float) -> Report:
@@ -391,6 +399,7 @@ def _kernel_settings(device: torch.device) -> dict[str, str]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     envs.inductor_pdl()  # read now, so a bad value fails before anything is allocated
+    envs.check_pdl()
     return {"pdl": pdl.describe(device), "split_kv_merge": merge}
 
 
@@ -507,6 +516,23 @@ def _checked_cache_shape(
     return tuple(shape)
 
 
+def _declared_vocab(model: nn.Module) -> int | None:
+    """The vocabulary token ids are checked against: ``model.vocab_size``, else
+    ``model.config.vocab_size`` (the Hugging Face convention); None (no check) if neither
+    is a positive int."""
+    for owner in (model, getattr(model, "config", None)):
+        value = getattr(owner, "vocab_size", None)
+        if isinstance(value, bool):
+            continue
+        try:
+            value = operator.index(value)  # numpy ints too
+        except TypeError:
+            continue
+        if value > 0:
+            return value
+    return None
+
+
 def _declared_positions(model: nn.Module) -> int | None:
     """The positions the model says it can embed (``model.config.max_position_embeddings``,
     the Hugging Face convention graphattn's models follow), or None."""
@@ -527,6 +553,15 @@ def _device_and_dtype(model: nn.Module, config: CompileConfig) -> tuple[torch.de
         device = torch.device("cuda", torch.cuda.current_device())
     dtypes = {p.dtype for p in params}
     model_dtype = params[0].dtype if len(dtypes) == 1 else None
+    if len(dtypes) > 1 and config.dtype is None:
+        counts: dict[torch.dtype, int] = {}
+        for p in params:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        found = ", ".join(f"{d} ({n} values)" for d, n in sorted(counts.items(), key=str))
+        raise InvalidInputError(
+            f"the model's floating-point parameters mix dtypes: {found}; pass dtype= to say "
+            f"which one its activations and KV cache use"
+        )
     dtype = config.dtype or model_dtype or torch.get_default_dtype()
     if model_dtype is not None and dtype != model_dtype:
         raise InvalidInputError(

@@ -51,6 +51,15 @@ def inductor_pdl() -> bool:
     return raw == "1"
 
 
+def check_pdl() -> None:
+    """``GRAPHATTN_PDL`` (read by ``graphattn.kernels.pdl``, which imports only torch and
+    triton): unset, empty, ``0`` or ``1``; anything else (``false``, ``off``) would leave
+    PDL on while looking like it turned it off."""
+    raw = os.environ.get("GRAPHATTN_PDL", "1")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"GRAPHATTN_PDL must be 0 or 1, got {raw!r}")
+
+
 PRECOMPILE_THREADS_DEFAULT = 8
 
 

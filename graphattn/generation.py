@@ -44,9 +44,15 @@ def generate(
 
     Each step schedules every running decode (one token each), then continues chunked
     prefills and admits waiting prompts while the token budget lasts. A prompt's blocks
-    for its whole length (prompt plus ``max_new_tokens``) are allocated when it joins and
-    freed when it finishes, so a running request never waits for blocks.
+    for everything it will cache (the prompt and its generated tokens but the last, which
+    is never fed back) are allocated when it joins and freed when it finishes, so a running
+    request never waits for blocks.
     """
+    if not callable(getattr(engine.model, "compute_logits", None)):
+        raise InvalidInputError(
+            f"{type(engine.model).__name__} has no compute_logits(hidden) -> logits; generate "
+            f"samples from it (drive engine.step yourself for a model without a head)"
+        )
     prompts = _check_prompts(
         prompts, max_new_tokens, eos_token_id, engine.runner.limits, engine.kv_cache
     )
@@ -95,7 +101,7 @@ def _schedule(
             budget -= n
     while waiting and budget and len(running) < cfg.max_num_seqs:
         seq = waiting[0]
-        need = kv.blocks_for(seq.prompt_len + max_new_tokens)
+        need = kv.blocks_for(_cached_len(seq.prompt_len, max_new_tokens))
         if need > kv.num_free_blocks:
             if not running:  # no request will finish and free blocks: it can never start
                 raise OutOfBlocksError(
@@ -111,6 +117,12 @@ def _schedule(
         scheduled.append((seq, n))
         budget -= n
     return scheduled
+
+
+def _cached_len(prompt_len: int, max_new_tokens: int) -> int:
+    """The tokens a prompt puts in the cache at most: the prompt and every generated token
+    but the last, which is sampled and returned, never fed back."""
+    return prompt_len + max_new_tokens - 1
 
 
 def _to_batch(scheduled: list[tuple[_Sequence, int]], block_size: int) -> Batch:
@@ -152,11 +164,11 @@ def _check_prompts(prompts, max_new_tokens, eos_token_id, limits, kv_cache) -> l
                 f"prompt {i}: token id {outside[0]} is outside the vocabulary "
                 f"[0, {vocab if vocab is not None else 'inf'})"
             )
-        total = len(tokens) + max_new_tokens
+        total = _cached_len(len(tokens), max_new_tokens)
         if total > limits.max_model_len:
             raise InvalidInputError(
                 f"prompt {i} has {len(tokens)} tokens; with max_new_tokens={max_new_tokens} it "
-                f"needs {total} > max_model_len={limits.max_model_len}"
+                f"caches {total} > max_model_len={limits.max_model_len}"
             )
         if kv_cache.blocks_for(total) > kv_cache.num_blocks:
             raise InvalidInputError(

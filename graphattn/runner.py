@@ -51,7 +51,7 @@ class _NoMetadataOnReplay(dict):
     """
 
     def __missing__(self, layer_name: str) -> Any:
-        raise RuntimeError(
+        raise BackendError(
             f"attention layer {layer_name!r} asked for metadata during a FULL replay, which "
             "skips it because every builder declares full_replay_needs_build = False; an "
             "attention op ran outside the graph (a builder whose build a replay needs must "

@@ -27,7 +27,9 @@ import sympy
 import torch
 from torch import fx
 
-from graphattn.errors import GraphAttnError
+from graphattn.attention.layer import twice_called_message
+from graphattn.errors import GraphAttnError, InvalidInputError
+from graphattn.passes.split import op_name
 
 # Dynamo keeps compiled code per code object; each trace gets a fresh copy of this
 # function's code, so tracing many models (or one model twice) never piles entries onto
@@ -85,8 +87,17 @@ def trace_model(
     # dynamic=None (not False): only the marked dimensions are dynamic either way, and
     # mark_dynamic is honoured under every torch this supports; one trace, no recompiles
     traced = torch.compile(entry, backend=keep_graph, fullgraph=True)
-    with _bytecode_hook(bytecode_hook):
-        output = traced(model, input_ids, positions)
+    try:
+        with _bytecode_hook(bytecode_hook):
+            output = traced(model, input_ids, positions)
+    except torch._dynamo.exc.TorchDynamoException as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InvalidInputError(
+            f"{type(model).__name__} could not be traced as one graph: {first}. graphattn "
+            f"calls model(input_ids, positions) with 1-D token ids and positions and needs one "
+            f"tensor back, traced whole (no data-dependent Python branches); "
+            f"compile_backend='none' runs the model uncompiled"
+        ) from e
     if "gm" not in captured:
         raise GraphAttnError(
             "torch.compile ran the model without tracing it (is TORCH_COMPILE_DISABLE set, or "
@@ -94,12 +105,26 @@ def trace_model(
         )
     gm, inputs = captured["gm"], captured["inputs"]
     _check_single_tensor_output(output, captured["graph_output"])
+    _check_each_layer_called_once(gm)
     binding = InputBinding(gm, inputs, input_ids, positions)
     signature = InputSignature.of(gm, inputs, input_ids, positions)
     seconds = time.perf_counter() - start
     codes = captured["code"]
     files = tuple(sorted({code.co_filename for code in codes}))
     return Trace(gm, binding, signature, output, seconds, codes, files)
+
+
+def _check_each_layer_called_once(gm: fx.GraphModule) -> None:
+    """A ``ga.Attention`` called twice in one forward overwrites its own keys and values."""
+    seen: set[str] = set()
+    for node in gm.graph.nodes:
+        name = op_name(node.target) if node.op == "call_function" else None
+        if name is None or name[0] != "graphattn::unified_attention_with_output":
+            continue
+        layer = node.args[4] if len(node.args) > 4 else node.kwargs.get("layer_name")
+        if layer in seen:
+            raise InvalidInputError(twice_called_message(layer))
+        seen.add(layer)
 
 
 class InputBinding:

@@ -238,7 +238,7 @@ def test_generate_rejects_bad_prompts_and_keeps_every_block(llama_engine):
         "a str prompt": ((["abc"], 4), "prompt 0 must be a list of token ids, got str"),
         "prompts not a list": ((5, 4), "prompts must be a list of token-id lists, got int"),
         "bool max_new_tokens": (([[1, 2]], True), "max_new_tokens must be a positive int"),
-        "too long": (([[1] * 90], 8), "needs 98 > max_model_len=96"),
+        "too long": (([[1] * 90], 8), "caches 97 > max_model_len=96"),
     }
     for _ in range(len(free) + 1):  # more calls than blocks: a leak would empty the pool
         for args, message in bad_calls.values():
@@ -247,6 +247,35 @@ def test_generate_rejects_bad_prompts_and_keeps_every_block(llama_engine):
     assert eng.kv_cache.allocator._free == free
     assert eng.generate(GOOD_PROMPTS, 4) == expected
     assert eng.generate([np.array([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8])], 4) == expected
+
+
+def test_generate_caches_the_prompt_and_all_but_the_last_new_token(llama_engine):
+    """The last sampled token is returned, never fed back: a prompt of 89 with 8 new tokens
+    caches 96, which max_model_len=96 holds (6 blocks of 16, not 7), and the tokens are
+    those of generating with room to spare."""
+    eng = llama_engine
+    prompt = [(7 * i) % 64 for i in range(89)]
+    free = eng.kv_cache.num_free_blocks
+    allocated = []
+    allocate = eng.kv_cache.allocate
+    eng.kv_cache.allocate = lambda n: allocated.append(n) or allocate(n)
+    try:
+        out = eng.generate([prompt], 8)
+    finally:
+        del eng.kv_cache.allocate
+    assert allocated == [6] and eng.kv_cache.num_free_blocks == free
+    assert len(out[0]) == 8
+    assert out[0][:7] == eng.generate([prompt], 7)[0]  # greedy: a shorter run is its prefix
+
+
+def test_generate_needs_a_head_and_says_so_before_it_runs():
+    model = TableAttentionModel(40, 4, 2, 64)
+    eng = eager_engine(model, max_num_seqs=4, max_num_tokens=64, num_blocks=8, max_model_len=96)
+    assert not hasattr(model, "compute_logits")
+    free = eng.kv_cache.num_free_blocks
+    with pytest.raises(ga.InvalidInputError, match="TableAttentionModel has no compute_logits"):
+        eng.generate([[1, 2, 3]], 4)
+    assert eng.stats.steps == 0 and eng.kv_cache.num_free_blocks == free
 
 
 def test_generate_without_free_blocks_is_a_typed_error(llama_engine):
@@ -337,3 +366,136 @@ def test_table_entries_a_request_does_not_use_may_hold_anything(device):
         table = np.array([[0, 1], [2, junk]], np.int32)
         outs.append(eng.step(ga.Batch.from_arrays(tokens, ones, computed, table, declared)))
     torch.testing.assert_close(outs[0], outs[1])
+
+
+class _SharedLayerModel(TableAttentionModel):
+    """Calls its one ga.Attention twice, as a looped shared block would."""
+
+    def forward(self, input_ids, positions):
+        k, v = self.k[input_ids], self.v[input_ids]
+        first = self.attns[0](self.q[0][input_ids], k, v)
+        return self.attns[0](first, k, v)
+
+
+class _OneArgumentModel(TableAttentionModel):
+    """A Hugging Face style forward(input_ids)."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids, None)
+
+
+@pytest.mark.parametrize("compile_backend", ["none", "eager"])
+def test_one_attention_layer_called_twice_is_named(compile_backend):
+    """The second call would overwrite the first's keys and values: the compiled path
+    refuses the model at its trace, the uncompiled one at its first step."""
+    model = _SharedLayerModel(40, 4, 2, 64)
+    sizes = dict(num_blocks=8, max_model_len=96, cudagraph_mode="NONE")
+    message = "layers.0.attn ran twice in one forward"
+    if compile_backend == "eager":
+        with pytest.raises(ga.InvalidInputError, match=message):
+            ga.compile(model, compile_backend="eager", **sizes)
+        return
+    engine = eager_engine(model, **sizes)
+    engine.kv_cache.allocate(1)
+    with pytest.raises(ga.InvalidInputError, match=message):
+        engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [0])]))
+    # a model calling each layer once runs in that engine's kind of context right after
+    ok = eager_engine(TableAttentionModel(40, 4, 2, 64, num_layers=2), **sizes)
+    ok.kv_cache.allocate(1)
+    for _ in range(2):  # each step's forward starts with no layer called
+        ok.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [0])]))
+
+
+def test_a_model_dynamo_cannot_trace_is_a_typed_error_with_a_way_out():
+    with pytest.raises(
+        ga.InvalidInputError,
+        match=r"_OneArgumentModel could not be traced .*"
+        r"compile_backend='none' runs the model uncompiled",
+    ):
+        ga.compile(_OneArgumentModel(40, 4, 2, 64), compile_backend="eager", num_blocks=8,
+                   max_model_len=96, cudagraph_mode="NONE")  # fmt: skip
+
+
+def test_integer_query_key_value_are_refused():
+    class IntModel(TableAttentionModel):
+        def forward(self, input_ids, positions):
+            q = self.q[0][input_ids].long()
+            return self.attns[0](q, self.k[input_ids].long(), self.v[input_ids].long())
+
+    engine = eager_engine(IntModel(40, 4, 2, 64), num_blocks=8, max_model_len=96)
+    engine.kv_cache.allocate(1)
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidInputError, match=r"must be floating point, got torch\.int64"):
+        engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [0])]))
+    assert_unchanged(engine, snap)
+
+
+def test_mixed_parameter_dtypes_need_an_explicit_dtype():
+    """A bf16 model with one fp32 parameter: the engine used to take float32 silently for
+    its KV cache (twice the memory) while the layers ran in bf16."""
+    model = TableAttentionModel(8, 2, 2, 64).to(torch.bfloat16)
+    model.k.data = model.k.data.float()
+    with pytest.raises(ga.InvalidInputError, match=r"mix dtypes: .*torch\.bfloat16.*pass dtype="):
+        eager_engine(model, num_blocks=4)
+    assert eager_engine(model, num_blocks=4, dtype="bfloat16").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("path/to/checkpoint", "got str"),
+        (TableAttentionModel, "got the class TableAttentionModel"),
+        ({"weight": torch.zeros(1)}, "got dict"),
+    ],
+)
+def test_compile_takes_a_module_instance(model, message):
+    with pytest.raises(ga.InvalidInputError, match=f"expected an nn.Module instance .*{message}"):
+        ga.compile(model, compile_backend="none")
+
+
+def test_the_vocabulary_is_read_from_the_models_config_too():
+    """A model declaring its vocabulary the Hugging Face way (model.config.vocab_size, here a
+    numpy int) gets its token ids checked."""
+    import types
+
+    model = TableAttentionModel(40, 4, 2, 64)
+    del model.vocab_size
+    model.config = types.SimpleNamespace(vocab_size=np.int64(40))
+    engine = eager_engine(model, num_blocks=8, max_model_len=96)
+    engine.kv_cache.allocate(1)
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidBatchError, match="token id 40 is outside the vocabulary"):
+        engine.step(ga.Batch.from_requests([R([1, 40], 0, [0])]))
+    assert_unchanged(engine, snap)
+
+
+@pytest.mark.parametrize(
+    "scaling, message",
+    [
+        ({"rope_type": "llama3", "factor": 8.0}, r"missing or not a number: \['low_freq_factor'"),
+        ({"rope_type": "linear"}, r"missing or not a number: \['factor'\]"),
+        ({"rope_type": "yarn", "factor": 4.0}, "rope scaling 'yarn' is not supported"),
+    ],
+)
+def test_a_llama_config_with_a_bad_rope_scaling_is_a_config_error(scaling, message):
+    from graphattn.models import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig.tiny(num_hidden_layers=1, rope_scaling=scaling)
+    with pytest.raises(ga.ConfigError, match=message):
+        LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("value", ["AUTO", "Auto"])
+def test_kv_cache_dtype_auto_in_any_case(value):
+    assert ga.CompileConfig(kv_cache_dtype=value).kv_cache_dtype == "auto"
+    with pytest.raises(ga.ConfigError, match=r'got \'int8\' \(or "auto": the activation dtype\)'):
+        ga.CompileConfig(kv_cache_dtype="int8")
+
+
+def test_from_requests_takes_any_iterable_of_requests(engine):
+    gen = (R([i + 1], 0, [i]) for i in range(2))
+    assert ga.Batch.from_requests(gen).num_reqs == 2
+    with pytest.raises(ga.InvalidBatchError, match=r"request 1 must be a ga\.Request, got tuple"):
+        ga.Batch.from_requests([R([1], 0, [0]), ([1], 0, [1])])
+    with pytest.raises(ga.InvalidBatchError, match=r"expected an iterable of ga\.Request, got int"):
+        ga.Batch.from_requests(3)

@@ -189,6 +189,13 @@ def test_a_bad_inductor_pdl_variable_fails_before_anything_is_allocated(monkeypa
         eager_engine(_llama(), cudagraph_mode="NONE", num_blocks=16)
 
 
+@pytest.mark.parametrize("value", ["false", "off", "no", "2"])
+def test_a_bad_pdl_variable_fails_instead_of_leaving_pdl_on(monkeypatch, value):
+    monkeypatch.setenv("GRAPHATTN_PDL", value)
+    with pytest.raises(ga.ConfigError, match=f"GRAPHATTN_PDL must be 0 or 1, got '{value}'"):
+        eager_engine(_llama(), cudagraph_mode="NONE", num_blocks=16)
+
+
 def test_graph_modes_fall_back_to_none_without_cuda_and_say_why():
     with pytest.warns(ga.FallbackWarning, match=r"FULL -> NONE \(CUDA graphs need a CUDA device\)"):
         engine = eager_engine(_llama(), cudagraph_mode="FULL", num_blocks=16)
@@ -288,7 +295,7 @@ def test_full_replays_skip_the_metadata_only_when_no_builder_needs_it(monkeypatc
     monkeypatch.setattr(builder_cls, "full_replay_needs_build", False)
     assert eng.runner.execute(batch).shape == (3, 4)
     assert builds == [4]
-    with pytest.raises(RuntimeError, match=f"{layer!r}.*full_replay_needs_build"):
+    with pytest.raises(ga.BackendError, match=f"{layer!r}.*full_replay_needs_build"):
         seen[-1][layer]
     assert eng.runner.stats.runtime_modes["FULL"] == 2
 

@@ -136,6 +136,16 @@ class Incomplete(ga.AttentionBackend):  # no get_impl_cls, get_builder_cls
         (_named("BADPRIO"), {"gpu": 5}, "names 'gpu', not a torch device type"),
         (_named("BADPRIO"), {"cpu": "high"}, "on cpu must be an int, got 'high'"),
         (_named("torch_ref"), {"cpu": 1}, "named 'TORCH_REF' is already registered"),
+        (
+            _named("BADBUILDER", get_builder_cls=staticmethod(lambda: object)),
+            {"cpu": 1},
+            r"get_builder_cls\(\) must return an AttentionMetadataBuilder subclass",
+        ),
+        (
+            _named("BADSIZES", get_supported_kernel_block_sizes=classmethod(lambda cls: 16)),
+            {"cpu": 1},
+            r"get_supported_kernel_block_sizes\(\) must return a tuple of positive ints .*got 16",
+        ),
     ],
 )
 def test_bad_registration_is_typed_and_registers_nothing(backend, priority, message):

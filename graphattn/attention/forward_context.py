@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ class ForwardContext:
     slot_mapping: Mapping[str, torch.Tensor] | None = None
     batch_descriptor: Any = None
     runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    # the layers an uncompiled forward has called so far (ga.Attention's checks)
+    called: set[str] = field(default_factory=set)
 
     def layer(self, name: str) -> Any:
         try:

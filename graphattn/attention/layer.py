@@ -10,6 +10,7 @@ from torch import nn
 
 import graphattn.attention.ops  # noqa: F401  (registers torch.ops.graphattn)
 from graphattn.attention.backend import AttentionBackend, AttentionSelectorConfig
+from graphattn.attention.forward_context import get_forward_context
 from graphattn.attention.registry import Selection, get_backend, select_backend
 from graphattn.errors import ConfigError, InvalidInputError
 from graphattn.kv_cache import FullAttentionSpec, SlidingWindowSpec
@@ -137,6 +138,14 @@ class Attention(nn.Module):
                     f"{self.layer_name}: {name} is {x.dtype} on {x.device}, query is "
                     f"{query.dtype} on {query.device}; all three must match"
                 )
+        if not query.is_floating_point():
+            raise InvalidInputError(
+                f"{self.layer_name}: query, key and value must be floating point, got {query.dtype}"
+            )
+        called = get_forward_context().called
+        if self.layer_name in called:
+            raise InvalidInputError(twice_called_message(self.layer_name))
+        called.add(self.layer_name)
 
     def extra_repr(self) -> str:
         sw = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
@@ -144,6 +153,14 @@ class Attention(nn.Module):
             f"{self.layer_name}: heads={self.num_heads}/{self.num_kv_heads}, "
             f"head_size={self.head_size}, backend={self.attn_backend.get_name()}{sw}"
         )
+
+
+def twice_called_message(layer_name: str) -> str:
+    return (
+        f"{layer_name} ran twice in one forward; a ga.Attention owns its layer's KV cache, so "
+        f"a second call overwrites the first call's keys and values: give each call its own "
+        f"ga.Attention (its own prefix)"
+    )
 
 
 def _checked_soft_cap(cap: object) -> float | None:

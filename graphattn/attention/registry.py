@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphattn.attention.backend import AttentionBackend, AttentionImpl, AttentionSelectorConfig
+from graphattn.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionSelectorConfig,
+)
 from graphattn.errors import BackendError, BackendSelectionError
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -28,6 +33,7 @@ def register_backend(
     _ensure_builtins()
     name = _checked_name(backend)
     _check_cache_write(backend, name)
+    _check_builder_and_block_sizes(backend, name)
     ranks = _checked_priority(name, priority)
     key = name.upper()
     if key in _BACKENDS and _BACKENDS[key] is not backend and not replace:
@@ -81,6 +87,25 @@ def _check_cache_write(backend: type[AttentionBackend], name: str) -> None:
         raise BackendError(
             f"{name}.forward_includes_kv_cache_update is False, so the engine calls "
             f"do_kv_cache_update before attention, but {impl.__qualname__} does not define it"
+        )
+
+
+def _check_builder_and_block_sizes(backend: type[AttentionBackend], name: str) -> None:
+    """What the engine calls on a backend at start-up answers in the types it expects, so a
+    slip is named here rather than as a TypeError inside ``ga.compile``."""
+    builder = backend.get_builder_cls()
+    if not (isinstance(builder, type) and issubclass(builder, AttentionMetadataBuilder)):
+        raise BackendError(
+            f"{name}.get_builder_cls() must return an AttentionMetadataBuilder subclass, got "
+            f"{builder!r}"
+        )
+    sizes = backend.get_supported_kernel_block_sizes()
+    if not isinstance(sizes, (tuple, list)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes
+    ):
+        raise BackendError(
+            f"{name}.get_supported_kernel_block_sizes() must return a tuple of positive ints "
+            f"(empty for any block size), got {sizes!r}"
         )
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from graphattn.attention.layer import Attention
+from graphattn.errors import ConfigError
 from graphattn.head import linear
 
 
@@ -132,10 +133,25 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return inv_freq
+    needs = {
+        "linear": ("factor",),
+        "llama3": (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ),
+    }
+    if kind not in needs:
+        raise ConfigError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+    missing = [k for k in needs[kind] if not isinstance(scaling.get(k), (int, float))]
+    if missing:
+        raise ConfigError(
+            f"rope_scaling of type {kind!r} needs the numbers {list(needs[kind])}; missing or "
+            f"not a number: {missing} (got {scaling})"
+        )
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    if kind != "llama3":
-        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
