@@ -145,7 +145,7 @@ def _int_array(name: str, values: object, dtype: type, *, ndim: int) -> np.ndarr
     return array.astype(dtype)
 
 
-def _token_array(index: int, token_ids: object) -> np.ndarray:
+def _token_array(index: int, token_ids: object, what: str = "token_ids") -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         if (
             token_ids.device.type != "cpu"
@@ -154,11 +154,17 @@ def _token_array(index: int, token_ids: object) -> np.ndarray:
             or token_ids.dtype == torch.bool
         ):
             raise InvalidBatchError(
-                f"request {index}: token_ids must be integers on the CPU, got a "
+                f"request {index}: {what} must be integers on the CPU, got a "
                 f"{token_ids.dtype} tensor on {token_ids.device}"
             )
-        return token_ids.reshape(-1).numpy().astype(np.int64)
-    return np.asarray(_int_list(index, "token_ids", token_ids, _INT64), dtype=np.int64)
+        values = token_ids.reshape(-1).numpy()
+        if values.dtype == np.uint64 and values.size and values.max() > _INT64[1]:
+            raise InvalidBatchError(
+                f"request {index}: {what} holds {int(values.max())}, outside "
+                f"[{_INT64[0]}, {_INT64[1]}]"
+            )  # before the cast below wraps it
+        return values.astype(np.int64)
+    return np.asarray(_int_list(index, what, token_ids, _INT64), dtype=np.int64)
 
 
 def _int_list(index: int, what: str, values: object, bounds: tuple[int, int]) -> list[int]:
@@ -169,7 +175,7 @@ def _int_list(index: int, what: str, values: object, bounds: tuple[int, int]) ->
             raise InvalidBatchError(f"request {index}: {what} must be integers, got {values.dtype}")
         items = values.reshape(-1).tolist()
     elif isinstance(values, torch.Tensor):
-        items = _token_array(index, values).tolist()
+        items = _token_array(index, values, what).tolist()
     else:
         items = _plain_ints(index, what, values)
     low, high = bounds

@@ -499,3 +499,18 @@ def test_from_requests_takes_any_iterable_of_requests(engine):
         ga.Batch.from_requests([R([1], 0, [0]), ([1], 0, [1])])
     with pytest.raises(ga.InvalidBatchError, match=r"expected an iterable of ga\.Request, got int"):
         ga.Batch.from_requests(3)
+
+
+def test_tensor_block_ids_and_uint64_tokens_are_named_right(engine):
+    with pytest.raises(ga.InvalidBatchError, match="request 0: block_ids must be integers"):
+        ga.Batch.from_requests([R([1], 0, torch.tensor([0.0]))])
+    huge = torch.tensor([2**63 + 5], dtype=torch.uint64)
+    with pytest.raises(ga.InvalidBatchError, match=f"token_ids holds {2**63 + 5}, outside"):
+        ga.Batch.from_requests([R(huge, 0, [0])])
+
+
+@pytest.mark.parametrize("field", ["num_heads", "head_size", "num_kv_heads"])
+def test_attention_shape_arguments_refuse_bools(field):
+    args = {"num_heads": 2, "head_size": 64, "num_kv_heads": 2} | {field: True}
+    with pytest.raises(ga.ConfigError, match=f"{field} must be a positive int, got True"):
+        ga.Attention(args["num_heads"], args["head_size"], 0.125, args["num_kv_heads"], prefix="x")

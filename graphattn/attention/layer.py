@@ -179,7 +179,7 @@ def _check_shape_args(num_heads, head_size, num_kv_heads, prefix, sliding_window
         ("head_size", head_size),
         ("num_kv_heads", num_kv_heads),
     ):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a positive int, got {value!r}")
     if num_heads % num_kv_heads:
         raise ConfigError(
