@@ -514,3 +514,19 @@ def test_attention_shape_arguments_refuse_bools(field):
     args = {"num_heads": 2, "head_size": 64, "num_kv_heads": 2} | {field: True}
     with pytest.raises(ga.ConfigError, match=f"{field} must be a positive int, got True"):
         ga.Attention(args["num_heads"], args["head_size"], 0.125, args["num_kv_heads"], prefix="x")
+
+
+def test_attention_on_fewer_tokens_than_the_step_is_named():
+    """TORCH_REF failed with an IndexError on a mask; more rows than tokens passed."""
+
+    class Dropping(TableAttentionModel):
+        def forward(self, input_ids, positions):
+            ids = input_ids[:-1]
+            return self.attns[0](self.q[0][ids], self.k[ids], self.v[ids])
+
+    engine = eager_engine(Dropping(40, 4, 2, 64), num_blocks=8, max_model_len=96)
+    engine.kv_cache.allocate(1)
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidInputError, match="for 2 tokens; the step has 3"):
+        engine.step(ga.Batch.from_requests([R([1, 2, 3], 0, [0])]))
+    assert_unchanged(engine, snap)

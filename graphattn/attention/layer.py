@@ -142,10 +142,16 @@ class Attention(nn.Module):
             raise InvalidInputError(
                 f"{self.layer_name}: query, key and value must be floating point, got {query.dtype}"
             )
-        called = get_forward_context().called
-        if self.layer_name in called:
+        ctx = get_forward_context()
+        if self.layer_name in ctx.called:
             raise InvalidInputError(twice_called_message(self.layer_name))
-        called.add(self.layer_name)
+        ctx.called.add(self.layer_name)
+        slots = None if ctx.slot_mapping is None else ctx.slot_mapping.get(self.layer_name)
+        if slots is not None and slots.shape[0] != t:
+            raise InvalidInputError(
+                f"{self.layer_name}: got query, key and value for {t} tokens; the step has "
+                f"{slots.shape[0]} (the length of input_ids): attention takes every token"
+            )
 
     def extra_repr(self) -> str:
         sw = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
