@@ -70,7 +70,9 @@ class CompileConfig:
     Compilation and graphs:
         cudagraph_mode: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE.
         cudagraph_capture_sizes: batch sizes (tokens) to capture; None takes the default list.
-        compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace).
+        compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace;
+            passes, splitting_ops and compile_sizes set with it are still checked, and logged
+            as unused).
         compile_sizes: token counts that also get a specialised Inductor build; None takes
             (1,) on CUDA with the inductor backend, a GEMV pass (single_row_gemv,
             rms_norm_gemv or silu_mul_gemv: the one-token build runs its linear layers as

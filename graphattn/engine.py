@@ -289,6 +289,7 @@ class CompiledModel:
         forward context without metadata, so attention writes nothing to the cache.
         """
         if self.config.compile_backend == "none":
+            _check_unused_compile_fields(self.config)
             return None
         from graphattn.passes.compiler import CompileOptions, compile_model
 
@@ -514,6 +515,29 @@ def _checked_cache_shape(
             f"slot), got {shape!r}"
         )
     return tuple(shape)
+
+
+def _check_unused_compile_fields(config: CompileConfig) -> None:
+    """compile_backend="none" reads no pass, splitting op or compile size: names set there
+    are still checked (so a typo does not wait for the day the model is compiled), and the
+    log says they are unused."""
+    from graphattn.config import DEFAULT_PASSES
+
+    unused = []
+    if tuple(config.passes) != DEFAULT_PASSES:
+        from graphattn.passes.pass_manager import make_pass_manager
+
+        make_pass_manager(config.passes)
+        unused.append("passes")
+    if config.splitting_ops is not None:
+        from graphattn.passes.split import resolve_splitting_ops
+
+        resolve_splitting_ops(config.splitting_ops)
+        unused.append("splitting_ops")
+    if config.compile_sizes is not None:
+        unused.append("compile_sizes")
+    if unused:
+        logger.warning("%s set with compile_backend='none', which compiles nothing: unused", unused)
 
 
 def _declared_vocab(model: nn.Module) -> int | None:

@@ -530,3 +530,25 @@ def test_attention_on_fewer_tokens_than_the_step_is_named():
     with pytest.raises(ga.InvalidInputError, match="for 2 tokens; the step has 3"):
         engine.step(ga.Batch.from_requests([R([1, 2, 3], 0, [0])]))
     assert_unchanged(engine, snap)
+
+
+@pytest.mark.parametrize(
+    "fields, error, message",
+    [
+        ({"passes": ("bogus",)}, ga.ConfigError, "bogus"),
+        ({"splitting_ops": ("nope::op",)}, ga.ConfigError, "nope::op"),
+    ],
+)
+def test_compile_fields_are_checked_without_a_compiler_too(fields, error, message):
+    with pytest.raises(error, match=message):
+        eager_engine(TableAttentionModel(40, 4, 2, 64), num_blocks=8, max_model_len=96, **fields)
+
+
+def test_compile_fields_set_without_a_compiler_are_logged_as_unused(caplog):
+    with caplog.at_level("WARNING", logger="graphattn"):
+        eager_engine(
+            TableAttentionModel(40, 4, 2, 64), num_blocks=8, max_model_len=96, compile_sizes=(1,)
+        )
+    assert (
+        "['compile_sizes'] set with compile_backend='none', which compiles nothing" in caplog.text
+    )
