@@ -290,6 +290,7 @@ class CompiledModel:
         """
         if self.config.compile_backend == "none":
             _check_unused_compile_fields(self.config)
+            self._profile_run()
             return None
         from graphattn.passes.compiler import CompileOptions, compile_model
 
@@ -313,6 +314,17 @@ class CompiledModel:
             return compile_model(
                 self.model, options, example, piece_wrapper=self.graphs.piece_wrapper()
             )
+
+    def _profile_run(self) -> None:
+        """The uncompiled model's forward once, on a few tokens with no metadata (attention
+        writes nothing and reads nothing), as the compiled path's trace does: a model that
+        breaks graphattn's rules (one tensor out, each ga.Attention called once, every token
+        through attention) fails at start-up, not after its first layers wrote a step's keys
+        and values."""
+        n = min(self.config.max_num_tokens, 16)
+        ids, positions = self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n]
+        with torch.inference_mode(), set_forward_context(None, layers=self.bound):
+            _one_tensor(self.model)(ids, positions)
 
     def _cache_factors(self) -> dict[str, Any]:
         """Everything about this engine that changes the compiled code."""
@@ -470,7 +482,7 @@ def _one_tensor(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torc
     def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = model(input_ids, positions)
         if not isinstance(out, torch.Tensor):
-            raise GraphAttnError(
+            raise InvalidInputError(
                 "graphattn runs models whose forward(input_ids, positions) returns one tensor "
                 f"of hidden states; {type(model).__qualname__} returned {type(out).__name__}"
             )
