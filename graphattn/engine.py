@@ -31,7 +31,6 @@ from graphattn.errors import (
     ConfigError,
     CUDAGraphModeError,
     FallbackWarning,
-    GraphAttnError,
     InvalidInputError,
 )
 from graphattn.kernels import attention_plan, pdl, precompile, triton_import_error
@@ -322,7 +321,10 @@ class CompiledModel:
         through attention) fails at start-up, not after its first layers wrote a step's keys
         and values."""
         n = min(self.config.max_num_tokens, 16)
-        ids, positions = self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n]
+        ids, positions = (
+            self.runner.buffers.input_ids.gpu[:n],
+            self.runner.buffers.positions.gpu[:n],
+        )
         with torch.inference_mode(), set_forward_context(None, layers=self.bound):
             _one_tensor(self.model)(ids, positions)
 
