@@ -389,7 +389,7 @@ def test_one_attention_layer_called_twice_is_named(compile_backend):
     refuses the model at its trace, the uncompiled one at its profile run (both in
     ga.compile, before any step)."""
     sizes = dict(num_blocks=8, max_model_len=96, cudagraph_mode="NONE")
-    with pytest.raises(ga.InvalidInputError, match="layers.0.attn ran twice in one forward"):
+    with pytest.raises(ga.InvalidInputError, match=r"layers\.0\.attn ran twice in one forward"):
         ga.compile(_SharedLayerModel(40, 4, 2, 64), compile_backend=compile_backend, **sizes)
     # a model calling each of its layers once runs, step after step
     ok = eager_engine(TableAttentionModel(40, 4, 2, 64, num_layers=2), **sizes)
