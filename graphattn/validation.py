@@ -125,7 +125,10 @@ def _check_decode_writes(batch: Batch, block_size: int) -> None:
     if r < 2:
         return
     table = batch.block_table
-    entry = batch.num_computed_tokens // block_size
+    if block_size & (block_size - 1) == 0:  # a power of two (the config's rule): a shift
+        entry = batch.num_computed_tokens >> (block_size.bit_length() - 1)
+    else:
+        entry = batch.num_computed_tokens // block_size
     if table.flags.c_contiguous:  # one gather from the flat table: a third of a 2-D index's cost
         entry += _row_starts(r, table.shape[1])
         written = table.ravel().take(entry)
