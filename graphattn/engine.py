@@ -315,11 +315,12 @@ class CompiledModel:
             )
 
     def _profile_run(self) -> None:
-        """The uncompiled model's forward once, on a few tokens with no metadata (attention
-        writes nothing and reads nothing), as the compiled path's trace does: a model that
-        breaks graphattn's rules (one tensor out, each ga.Attention called once, every token
-        through attention) fails at start-up, not after its first layers wrote a step's keys
-        and values."""
+        """The uncompiled model's forward once, on up to 16 tokens with no metadata
+        (attention writes nothing and reads nothing), as the compiled path's trace does: a
+        model that returns other than one tensor, calls a ga.Attention twice, or hands one
+        integer or mismatched query, key and value fails at start-up, not after its first
+        layers wrote a step's keys and values. (A layer given fewer tokens than the step is
+        found at the step, as the profile run has no slot mapping to count them by.)"""
         n = min(self.config.max_num_tokens, 16)
         ids, positions = (
             self.runner.buffers.input_ids.gpu[:n],

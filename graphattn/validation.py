@@ -74,48 +74,72 @@ def _check_general(batch: Batch, limits: BatchLimits) -> int:
 
 
 def _check_writes(batch: Batch, block_size: int) -> None:
-    """Every block the step writes into belongs to one request, at one entry of its table:
-    two requests writing one block, or one request whose new tokens span two entries naming
-    the same block, would overwrite keys and values. Blocks shared read-only (a common
-    prefix) are not written and not checked. Not checked either, as it would cost a scan of
-    every table on every step: a written block that is also an earlier entry of the same
-    request's table, or a block another request reads; a request's blocks must be distinct
-    and a block it writes its own."""
+    """The step's writes never conflict. Each request writes its new tokens through one or
+    more entries of its block table; where two of those writes land in one block:
+
+    - one request naming that block at two entries is an error (its blocks must be distinct);
+    - two requests may share the block only as a prefix they share (the same blocks up to
+      and including it, at the same entry), and a slot both write must get the same token
+      (identical prompts scheduled together, or a prefix hit that recomputes its last
+      token, as vLLM's scheduler makes); anything else overwrites keys and values.
+
+    Vectorized over (request, entry) pairs; the rules run one group at a time only where a
+    block is written by more than one pair. Not checked, as it would scan every table on
+    every step: a written block that another request only reads, or that is an earlier
+    entry of the same request's table.
+    """
     q = batch.query_lens.astype(np.int64)
-    req = np.repeat(np.arange(batch.num_reqs), q)
-    starts = np.cumsum(q) - q
-    pos = batch.num_computed_tokens[req].astype(np.int64) + (np.arange(len(req)) - starts[req])
-    blocks = batch.block_table[req, pos // block_size].astype(np.int64)
-    slots = blocks * block_size + pos % block_size
-    order = np.argsort(slots, kind="stable")
-    # sorted by slot, a block's slots are neighbours: any two of them from two requests, or
-    # from two of one request's table entries, meet somewhere as a pair
-    blocks, req, pos = blocks[order], req[order], pos[order]
-    same_block = blocks[1:] == blocks[:-1]
-    other_req = req[1:] != req[:-1]
-    other_entry = pos[1:] // block_size != pos[:-1] // block_size
-    bad = same_block & (other_req | other_entry)
-    if bad.any():
-        k = int(np.argmax(bad))
-        _raise_shared_write(
-            int(req[k]), int(pos[k]), int(req[k + 1]), int(pos[k + 1]), int(blocks[k])
-        )
+    computed = batch.num_computed_tokens.astype(np.int64)
+    first = computed // block_size
+    count = (computed + q - 1) // block_size - first + 1  # entries each request writes
+    req = np.repeat(np.arange(batch.num_reqs), count)
+    entry = first[req] + (np.arange(len(req)) - (np.cumsum(count) - count)[req])
+    blocks = batch.block_table[req, entry].astype(np.int64)
+    order = np.argsort(blocks, kind="stable")
+    blocks = blocks[order]
+    shared = blocks[1:] == blocks[:-1]
+    if shared.any():
+        _check_shared_blocks(batch, block_size, blocks, req[order], entry[order], shared)
 
 
-def _raise_shared_write(req_a: int, pos_a: int, req_b: int, pos_b: int, block: int) -> None:
-    if req_a == req_b:
-        first, second = sorted((pos_a, pos_b))
-        raise InvalidBatchError(
-            f"request {req_a} writes block {block} for positions {first} and {second}: its "
-            f"block_ids repeat that block; a request's blocks must be distinct"
-        )
-    if req_a > req_b:
-        req_a, pos_a, req_b, pos_b = req_b, pos_b, req_a, pos_a
-    raise InvalidBatchError(
-        f"requests {req_a} and {req_b} both write block {block} in this step (positions "
-        f"{pos_a} and {pos_b}); a block a step writes into must belong to one request "
-        f"(share only full prefix blocks, which no request writes)"
-    )
+def _check_shared_blocks(batch, block_size, blocks, req, entry, shared) -> None:
+    """``_check_writes``'s rules for each block more than one (request, entry) writes."""
+    groups: dict[int, set[int]] = {}
+    for k in np.flatnonzero(shared).tolist():
+        groups.setdefault(int(blocks[k]), set()).update((k, k + 1))
+    q, computed, table = batch.query_lens, batch.num_computed_tokens, batch.block_table
+    token_start = np.cumsum(q) - q
+    for block, members in groups.items():
+        entry_of: dict[int, int] = {}
+        for k in sorted(members):
+            r, e = int(req[k]), int(entry[k])
+            if entry_of.setdefault(r, e) != e:
+                raise InvalidBatchError(
+                    f"request {r} writes block {block} through entries {entry_of[r]} and {e} "
+                    f"of its block table; a request's blocks must be distinct"
+                )
+        first_req, first_entry = min(entry_of.items())
+        written: dict[int, tuple[int, int]] = {}  # position -> (request, token)
+        for r, e in sorted(entry_of.items()):
+            if (r, e) != (first_req, first_entry) and (
+                e != first_entry or not np.array_equal(table[r, : e + 1], table[first_req, : e + 1])
+            ):
+                raise InvalidBatchError(
+                    f"requests {first_req} and {r} both write block {block} in this step, but "
+                    f"not as a prefix they share (entries {first_entry} and {e}; blocks before "
+                    f"it {table[first_req, :first_entry].tolist()} and {table[r, :e].tolist()}): "
+                    f"they would overwrite each other's keys and values"
+                )
+            c = int(computed[r])
+            lo, hi = max(c, e * block_size), min(c + int(q[r]), (e + 1) * block_size)
+            for pos in range(lo, hi):
+                token = int(batch.token_ids[token_start[r] + pos - c])
+                other, other_token = written.setdefault(pos, (r, token))
+                if other_token != token:
+                    raise InvalidBatchError(
+                        f"requests {other} and {r} both write position {pos} of block {block} "
+                        f"with different tokens ({other_token} and {token})"
+                    )
 
 
 def _check_decode_writes(batch: Batch, block_size: int) -> None:
@@ -136,7 +160,7 @@ def _check_decode_writes(batch: Batch, block_size: int) -> None:
         written = table[np.arange(r), entry]
     written.sort()
     if (written[1:] == written[:-1]).any():
-        _check_writes(batch, block_size)  # raises, naming the requests
+        _check_writes(batch, block_size)  # the rules, naming the requests where they fail
 
 
 def _row_starts(r: int, width: int) -> np.ndarray:

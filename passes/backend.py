@@ -90,12 +90,13 @@ def trace_model(
     try:
         with _bytecode_hook(bytecode_hook):
             output = traced(model, input_ids, positions)
+    except torch._dynamo.exc.InternalTorchDynamoError:
+        raise  # Dynamo's own failure, not the model's
     except torch._dynamo.exc.TorchDynamoException as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InvalidInputError(
-            f"{type(model).__name__} could not be traced as one graph: {first}. graphattn "
-            f"calls model(input_ids, positions) with 1-D token ids and positions and needs one "
-            f"tensor back, traced whole (no data-dependent Python branches); "
+            f"{type(model).__name__} could not be traced as one graph: {_dynamo_reason(e)} "
+            f"graphattn calls model(input_ids, positions) with 1-D token ids and positions and "
+            f"needs one tensor back, traced whole (no data-dependent Python branches); "
             f"compile_backend='none' runs the model uncompiled"
         ) from e
     if "gm" not in captured:
@@ -112,6 +113,17 @@ def trace_model(
     codes = captured["code"]
     files = tuple(sorted({code.co_filename for code in codes}))
     return Trace(gm, binding, signature, output, seconds, codes, files)
+
+
+def _dynamo_reason(error: Exception) -> str:
+    """Dynamo's first line and, where it gives one, its explanation and the underlying
+    error's message (a fake-tensor failure names the real one only in its cause)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    parts = lines[:1] + [line for line in lines[1:] if line.startswith("Explanation:")][:1]
+    cause = error.__cause__
+    if cause is not None and str(cause).strip():
+        parts.append(f"({type(cause).__name__}: {str(cause).strip().splitlines()[0]})")
+    return " ".join(parts) or type(error).__name__
 
 
 def _check_each_layer_called_once(gm: fx.GraphModule) -> None:

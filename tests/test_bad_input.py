@@ -32,9 +32,15 @@ BAD_BATCHES = {
     "token outside the vocabulary": ([R([1, 40], 0, [0])], "token id 40"),
     "negative computed tokens": ([R([1], -2, [0])], "num_computed_tokens"),
     "no requests": ([], "no requests"),
-    "two requests write one block": ([R([1], 3, [2]), R([1], 5, [2])], "requests 0 and 1 both"),
-    "the same request twice": ([R([1], 20, [0, 1]), R([1], 20, [0, 1])], "both write block 1"),
-    "a request repeats a block it writes": ([R([1] * 20, 0, [2, 2])], "request 0 writes block 2"),
+    "two requests write one block": (
+        [R([1], 20, [0, 2]), R([1], 21, [1, 2])],
+        "requests 0 and 1 both write block 2",
+    ),
+    "two tokens for one slot": ([R([1], 4, [2]), R([3], 4, [2])], "with different tokens"),
+    "a request repeats a block it writes": (
+        [R([1] * 20, 0, [2, 2])],
+        "request 0 writes block 2 through entries 0 and 1",
+    ),
 }
 
 
@@ -519,3 +525,17 @@ def test_attention_on_fewer_tokens_than_the_step_is_named():
     with pytest.raises(ga.InvalidInputError, match="for 2 tokens; the step has 3"):
         engine.step(ga.Batch.from_requests([R([1, 2, 3], 0, [0])]))
     assert_unchanged(engine, snap)
+
+
+def test_a_trace_error_keeps_the_underlying_message():
+    """A reshape bug fails inside Dynamo as a fake-tensor error; the typed error names the
+    real cause, not only Dynamo's first line."""
+
+    class BadReshape(TableAttentionModel):
+        def forward(self, input_ids, positions):
+            k, v = self.k[input_ids], self.v[input_ids]
+            return self.attns[0](self.q[0][input_ids].view(-1, 3, 7), k, v)
+
+    with pytest.raises(ga.InvalidInputError, match=r"could not be traced .*invalid for input"):
+        ga.compile(BadReshape(40, 4, 2, 64), compile_backend="eager", num_blocks=8,
+                   max_model_len=96, cudagraph_mode="NONE")  # fmt: skip

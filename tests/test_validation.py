@@ -3,6 +3,8 @@ return the longest sequence of a good batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -162,26 +164,74 @@ def _own_blocks(seq_lens, block_size=16):
 
 
 @pytest.mark.parametrize(
-    "query_lens, computed, table, message",
+    "query_lens, computed, table, tokens, message",
     [
-        # two decodes write block 1 (offsets 4 and 5): the decode path
-        ([1, 1], [20, 21], [[0, 1], [2, 1]], "requests 0 and 1 both write block 1"),
-        # two decodes at the same slot
-        ([1, 1], [4, 4], [[3], [3]], "requests 0 and 1 both write block 3"),
-        # a prefill chunk and a decode writing one block: the general path
-        ([3, 1], [0, 5], [[4], [4]], "requests 0 and 1 both write block 4"),
+        # two decodes write block 1 with different blocks before it: the decode path
+        (
+            [1, 1],
+            [20, 21],
+            [[0, 1], [2, 1]],
+            [5, 6],
+            "requests 0 and 1 both write block 1 .* not as a prefix they share",
+        ),
+        # block 3 at entry 0 of one table and entry 1 of the other
+        (
+            [1, 1],
+            [4, 20],
+            [[3, 4], [5, 3]],
+            [5, 6],
+            "requests 0 and 1 both write block 3 .*entries 0 and 1",
+        ),
+        # two decodes at the same slot of a shared block, with different tokens
+        (
+            [1, 1],
+            [4, 4],
+            [[3], [3]],
+            [5, 6],
+            "requests 0 and 1 both write position 4 of block 3 with different tokens",
+        ),
+        # a prefill chunk and a decode writing position 5 of block 4 differently: the general path
+        (
+            [6, 1],
+            [0, 5],
+            [[4], [4]],
+            [1, 2, 3, 4, 5, 6, 9],
+            "both write position 5 of block 4 with different tokens .6 and 9.",
+        ),
         # one request's table repeats the block its chunk spills into
-        ([4], [14], [[2, 2]], "request 0 writes block 2 for positions 14 and 17"),
+        ([4], [14], [[2, 2]], [1, 2, 3, 4], "request 0 writes block 2 through entries 0 and 1"),
     ],
 )
-def test_a_block_two_writes_land_in_is_an_error(query_lens, computed, table, message):
-    """Keys and values of one step never overwrite each other: a block written in a step
-    belongs to one request, and a request's written slots are distinct."""
+def test_writes_that_would_overwrite_each_other_are_an_error(
+    query_lens, computed, table, tokens, message
+):
+    """Keys and values of one step never overwrite each other: a block written by two
+    requests is a prefix they share, with the same token wherever both write, and a
+    request's written entries name distinct blocks."""
     q = np.array(query_lens, np.int32)
-    tokens = np.arange(int(q.sum()), dtype=np.int64)
-    batch = ga.Batch.from_arrays(tokens, q, np.array(computed, np.int32), np.array(table))
+    batch = ga.Batch.from_arrays(np.array(tokens), q, np.array(computed, np.int32), np.array(table))
     with pytest.raises(ga.InvalidBatchError, match=message):
         check_batch(batch, LIMITS)
+
+
+@pytest.mark.parametrize(
+    "query_lens, computed, table, tokens",
+    [
+        # two identical requests in one step: the same writes
+        ([1, 1], [20, 20], [[0, 1], [0, 1]], [7, 7]),
+        # a prompt's prefill and a prefix hit on its last block recomputing the last token,
+        # scheduled together (vLLM marks blocks cached when it schedules them)
+        ([8, 1], [0, 7], [[4], [4]], [1, 2, 3, 4, 5, 6, 7, 8, 8]),
+        # identical prompts prefilled together across a block boundary
+        ([20, 20], [0, 0], [[1, 2], [1, 2]], list(range(20)) * 2),
+    ],
+)
+def test_a_block_shared_as_a_prefix_may_be_written_alike(query_lens, computed, table, tokens):
+    q = np.array(query_lens, np.int32)
+    c = np.array(computed, np.int32)
+    batch = ga.Batch.from_arrays(np.array(tokens) % 50, q, c, np.array(table))
+    limits = dataclasses.replace(LIMITS, max_num_tokens=64)
+    assert check_batch(batch, limits) == int((c + q).max())
 
 
 def test_a_full_prefix_block_may_be_shared():
@@ -223,3 +273,58 @@ def test_a_batch_built_by_hand_is_checked_like_one_from_arrays(fields, message):
     }
     with pytest.raises(ga.InvalidBatchError, match=message):
         check_batch(ga.Batch(**(good | fields)), LIMITS)
+
+
+def _writes_ok_naively(batch, block_size) -> bool:
+    """The write rules token by token, in plain Python."""
+    owners = {}  # block -> (request, entry); slot -> token
+    slots = {}
+    start = 0
+    for r, (q, c) in enumerate(zip(batch.query_lens.tolist(), batch.num_computed_tokens.tolist())):
+        for i in range(q):
+            pos = c + i
+            e = pos // block_size
+            block = int(batch.block_table[r, e])
+            for other_r, other_e in owners.get(block, []):
+                if other_r == r and other_e != e:
+                    return False
+                if other_r != r and (
+                    other_e != e
+                    or batch.block_table[r, : e + 1].tolist()
+                    != batch.block_table[other_r, : e + 1].tolist()
+                ):
+                    return False
+            owners.setdefault(block, []).append((r, e))
+            token = int(batch.token_ids[start + i])
+            if slots.setdefault((block, pos % block_size), token) != token:
+                return False
+        start += q
+    return True
+
+
+@st.composite
+def sharing_batches(draw):
+    """Small batches over few blocks, so that requests often write the same ones."""
+    r = draw(st.integers(1, 4))
+    width = 3
+    q = draw(st.lists(st.integers(1, 5), min_size=r, max_size=r))
+    c = draw(st.lists(st.integers(0, 4 * width - 6), min_size=r, max_size=r))
+    table = draw(st.lists(st.integers(0, 3), min_size=r * width, max_size=r * width))
+    tokens = draw(st.lists(st.integers(0, 2), min_size=sum(q), max_size=sum(q)))
+    return ga.Batch.from_arrays(
+        np.array(tokens), np.array(q, np.int32), np.array(c, np.int32),
+        np.array(table, np.int32).reshape(r, width),
+    )  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(sharing_batches())
+def test_the_write_rules_agree_with_a_token_by_token_oracle(batch):
+    limits = dataclasses.replace(LIMITS, block_size=4, max_num_tokens=64, num_blocks=4)
+    try:
+        check_batch(batch, limits)
+        accepted = True
+    except ga.InvalidBatchError as e:
+        assert "write" in str(e)  # the other checks pass on these batches
+        accepted = False
+    assert accepted == _writes_ok_naively(batch, 4)

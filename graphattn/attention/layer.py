@@ -163,9 +163,10 @@ class Attention(nn.Module):
 
 def twice_called_message(layer_name: str) -> str:
     return (
-        f"{layer_name} ran twice in one forward; a ga.Attention owns its layer's KV cache, so "
-        f"a second call overwrites the first call's keys and values: give each call its own "
-        f"ga.Attention (its own prefix)"
+        f"{layer_name} ran twice in one forward; a ga.Attention owns one layer's KV cache "
+        f"and writes it once a step (a second call overwrites the first call's keys and "
+        f"values): give each call its own ga.Attention (its own prefix), or call a shared "
+        f"layer once and reuse its output"
     )
 
 
