@@ -318,15 +318,16 @@ class CompiledModel:
         """The uncompiled model's forward once, on up to 16 tokens with no metadata
         (attention writes nothing and reads nothing), as the compiled path's trace does: a
         model that returns other than one tensor, calls a ga.Attention twice, or hands one
-        integer or mismatched query, key and value fails at start-up, not after its first
-        layers wrote a step's keys and values. (A layer given fewer tokens than the step is
-        found at the step, as the profile run has no slot mapping to count them by.)"""
+        integer or mismatched query, key and value, or other than the forward's token count,
+        fails at start-up, not after its first layers wrote a step's keys and values."""
         n = min(self.config.max_num_tokens, 16)
         ids, positions = (
             self.runner.buffers.input_ids.gpu[:n],
             self.runner.buffers.positions.gpu[:n],
         )
-        with torch.inference_mode(), set_forward_context(None, layers=self.bound):
+        context = set_forward_context(None, layers=self.bound)
+        context.context.num_tokens = n  # no slot mapping here to count the tokens by
+        with torch.inference_mode(), context:
             _one_tensor(self.model)(ids, positions)
 
     def _cache_factors(self) -> dict[str, Any]:

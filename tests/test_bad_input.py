@@ -511,15 +511,24 @@ def test_attention_shape_arguments_refuse_bools(field):
 
 
 def test_attention_on_fewer_tokens_than_the_step_is_named():
-    """TORCH_REF failed with an IndexError on a mask; more rows than tokens passed. The
-    profile run has no slot mapping, so a step finds it; its layer writes nothing first."""
+    """TORCH_REF failed with an IndexError on a mask; more rows than tokens passed. A model
+    that always drops one fails at start-up (the profile run counts the forward's tokens);
+    one that drops tokens only on some steps fails at that step, before its layer writes."""
 
     class Dropping(TableAttentionModel):
+        def forward(self, input_ids, positions):
+            ids = input_ids[:-1]
+            return self.attns[0](self.q[0][ids], self.k[ids], self.v[ids])
+
+    with pytest.raises(ga.InvalidInputError, match="for 15 tokens; the step has 16"):
+        eager_engine(Dropping(40, 4, 2, 64), num_blocks=8, max_model_len=96)
+
+    class DroppingAtThree(TableAttentionModel):
         def forward(self, input_ids, positions):
             ids = input_ids[:-1] if input_ids.shape[0] == 3 else input_ids
             return self.attns[0](self.q[0][ids], self.k[ids], self.v[ids])
 
-    engine = eager_engine(Dropping(40, 4, 2, 64), num_blocks=8, max_model_len=96)
+    engine = eager_engine(DroppingAtThree(40, 4, 2, 64), num_blocks=8, max_model_len=96)
     engine.kv_cache.allocate(1)
     snap = snapshot(engine)
     with pytest.raises(ga.InvalidInputError, match="for 2 tokens; the step has 3"):

@@ -40,6 +40,8 @@ class ForwardContext:
     runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
     # the layers an uncompiled forward has called so far (ga.Attention's checks)
     called: set[str] = field(default_factory=set)
+    # the forward's token count where no slot mapping gives it (the uncompiled profile run)
+    num_tokens: int | None = None
 
     def layer(self, name: str) -> Any:
         try:

@@ -147,10 +147,11 @@ class Attention(nn.Module):
             raise InvalidInputError(twice_called_message(self.layer_name))
         ctx.called.add(self.layer_name)
         slots = None if ctx.slot_mapping is None else ctx.slot_mapping.get(self.layer_name)
-        if slots is not None and slots.shape[0] != t:
+        expected = ctx.num_tokens if slots is None else slots.shape[0]
+        if expected is not None and expected != t:
             raise InvalidInputError(
                 f"{self.layer_name}: got query, key and value for {t} tokens; the step has "
-                f"{slots.shape[0]} (the length of input_ids): attention takes every token"
+                f"{expected} (the length of input_ids): attention takes every token"
             )
 
     def extra_repr(self) -> str:
