@@ -548,3 +548,16 @@ def test_a_trace_error_keeps_the_underlying_message():
     with pytest.raises(ga.InvalidInputError, match=r"could not be traced .*invalid for input"):
         ga.compile(BadReshape(40, 4, 2, 64), compile_backend="eager", num_blocks=8,
                    max_model_len=96, cudagraph_mode="NONE")  # fmt: skip
+
+
+def test_a_model_built_under_a_float64_default_dtype_compiles_once_converted():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = TableAttentionModel(40, 4, 2, 64)
+    finally:
+        torch.set_default_dtype(previous)
+    engine = eager_engine(model.float(), num_blocks=8, max_model_len=96)
+    engine.kv_cache.allocate(1)
+    out = engine.step(ga.Batch.from_requests([R([1, 2, 3], 0, [0])]))
+    assert out.dtype == torch.float32 and out.shape == (3, 256)

@@ -63,8 +63,13 @@ class Attention(nn.Module):
         if backend is not None:  # validated against the real configuration in ga.compile
             self.set_backend(Selection(get_backend(backend), explicit=True), None)
         else:
+            # provisional (ga.compile selects again for the engine's real settings): a
+            # default dtype no backend serves, such as float64 while a model is built before
+            # .float(), must not fail the constructor
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
             dtype = torch.get_default_dtype()
+            if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                dtype = torch.float32
             cfg = self.selector_config(dtype, dtype, _DEFAULT_BLOCK_SIZE, device_type)
             self.set_backend(select_backend(cfg), None)
 
