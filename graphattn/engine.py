@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,7 +20,7 @@ from graphattn.attention.groups import AttentionGroup, build_attention_groups
 from graphattn.attention.layer import Attention
 from graphattn.attention.ops import ATTENTION_OP
 from graphattn.attention.registry import select_backend
-from graphattn.batch import Batch
+from graphattn.batch import Batch, is_int
 from graphattn.capture.manager import CaptureManager
 from graphattn.capture.mode import CUDAGraphMode
 from graphattn.capture.resolve import FallbackRecord, resolve_for_engine
@@ -562,14 +561,8 @@ def _declared_vocab(model: nn.Module) -> int | None:
     is a positive int."""
     for owner in (model, getattr(model, "config", None)):
         value = getattr(owner, "vocab_size", None)
-        if isinstance(value, bool):
-            continue
-        try:
-            value = operator.index(value)  # numpy ints too
-        except TypeError:
-            continue
-        if value > 0:
-            return value
+        if is_int(value) and value > 0:  # numpy ints too
+            return int(value)
     return None
 
 

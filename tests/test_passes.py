@@ -874,16 +874,26 @@ def _trace_checker(model_cls, options):
     return compile_and_check
 
 
+def _importable(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """Write ``files`` (relative path -> source) under a folder put first on sys.path."""
+    code_dir = tmp_path / "code"
+    for name, text in files.items():
+        path = code_dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.syspath_prepend(str(code_dir))
+
+
 def test_globals_and_class_attributes_the_trace_read_are_checked(tmp_path, monkeypatch):
     """Values from other files (a module's attribute, a from-import, a base class's
     attribute) are baked into the graph; a change to any of them, on disk or at run
     time, must miss the trace cache.
     """
-    code_dir = tmp_path / "code"
-    code_dir.mkdir()
-    (code_dir / "tiny_consts.py").write_text(_CONSTS)
-    (code_dir / "tiny_globals_model.py").write_text(_GLOBALS_MODEL)
-    monkeypatch.syspath_prepend(str(code_dir))
+    _importable(
+        tmp_path,
+        monkeypatch,
+        {"tiny_consts.py": _CONSTS, "tiny_globals_model.py": _GLOBALS_MODEL},
+    )
     import tiny_consts
     import tiny_globals_model as m
 
@@ -933,13 +943,16 @@ def test_constants_read_through_a_class_a_nested_module_or_an_objects_class_are_
 ):
     """The three forms the trace key used to describe by name only: a stale trace ran with
     the old value baked in (a review's reproducer: 0.0 then 5.2 off after an edit)."""
-    code_dir = tmp_path / "code"
-    (code_dir / "tiny_deep_pkg").mkdir(parents=True)
-    (code_dir / "tiny_deep_pkg" / "__init__.py").write_text("")
-    (code_dir / "tiny_deep_pkg" / "sub.py").write_text("OFFSET = 3.0\n")
-    (code_dir / "tiny_deep_consts.py").write_text(_DEEP_CONSTS)
-    (code_dir / "tiny_deep_model.py").write_text(_DEEP_MODEL)
-    monkeypatch.syspath_prepend(str(code_dir))
+    _importable(
+        tmp_path,
+        monkeypatch,
+        {
+            "tiny_deep_pkg/__init__.py": "",
+            "tiny_deep_pkg/sub.py": "OFFSET = 3.0\n",
+            "tiny_deep_consts.py": _DEEP_CONSTS,
+            "tiny_deep_model.py": _DEEP_MODEL,
+        },
+    )
     import tiny_deep_consts
     import tiny_deep_model as m
     import tiny_deep_pkg.sub

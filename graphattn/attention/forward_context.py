@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,8 +38,9 @@ class ForwardContext:
     slot_mapping: Mapping[str, torch.Tensor] | None = None
     batch_descriptor: Any = None
     runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
-    # the layers an uncompiled forward has called so far (ga.Attention's checks)
-    called: set[str] = field(default_factory=set)
+    # the layers an uncompiled forward has called so far (ga.Attention's checks; made by
+    # the first layer, so that a compiled step's context allocates nothing for it)
+    called: set[str] | None = None
     # the forward's token count where no slot mapping gives it (the uncompiled profile run)
     num_tokens: int | None = None
 

@@ -148,7 +148,9 @@ class Attention(nn.Module):
                 f"{self.layer_name}: query, key and value must be floating point, got {query.dtype}"
             )
         ctx = get_forward_context()
-        if self.layer_name in ctx.called:
+        if ctx.called is None:
+            ctx.called = set()
+        elif self.layer_name in ctx.called:
             raise InvalidInputError(twice_called_message(self.layer_name))
         ctx.called.add(self.layer_name)
         slots = None if ctx.slot_mapping is None else ctx.slot_mapping.get(self.layer_name)
