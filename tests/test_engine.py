@@ -312,3 +312,38 @@ def test_the_runner_names_the_builders_a_replay_needs(monkeypatch):
     monkeypatch.setattr(builder_cls, "full_replay_needs_build", False)
     assert eng.runner.builders_needing_replay_build() == []
     assert eng.runner.replays_skip_build
+
+
+@pytest.mark.parametrize("layout", ["from_arrays", "strided table", "int64", "uint16"])
+def test_decode_fill_writes_each_requests_slot(layout):
+    """A decode step's slot mapping is block * block_size + offset of each request's position,
+    whether the batch has Batch.from_arrays' layout or a hand-built one's (other integer
+    types, a table that is a strided view)."""
+    eng = eager_engine(TableAttentionModel(64, 4, 2, 64, seed=2), cudagraph_mode="NONE")
+    rng = np.random.default_rng(5)
+    r, width, bs = 7, 6, eng.runner.limits.block_size
+    wide = rng.permutation(eng.runner.limits.num_blocks)[: r * 2 * width].astype(np.int32)
+    table = (
+        wide.reshape(r, 2 * width)[:, ::2]
+        if layout == "strided table"
+        else wide[: r * width].reshape(r, width)
+    )
+    computed = rng.integers(0, width * bs, r).astype(np.int32)
+    tokens = rng.integers(0, 64, r).astype(np.int64)
+    batch = ga.Batch.from_arrays(
+        tokens,
+        np.ones(r, np.int32),
+        computed,
+        np.ascontiguousarray(table),
+        np.full(r, width, np.int32),
+    )
+    if layout != "from_arrays":
+        dtype = {"int64": np.int64, "uint16": np.uint16}.get(layout, np.int32)
+        batch = ga.Batch(
+            tokens, np.ones(r, dtype), computed.astype(dtype), table, np.full(r, width, dtype)
+        )
+    assert batch.block_table.flags.c_contiguous == (layout != "strided table")
+    eng.runner.prepare_inputs(batch)
+    expected = table[np.arange(r), computed // bs].astype(np.int64) * bs + computed % bs
+    np.testing.assert_array_equal(eng.runner.buffers.slot_mapping.np[:r], expected)
+    np.testing.assert_array_equal(eng.runner.buffers.positions.np[:r], computed)
