@@ -3,8 +3,9 @@
 The middle layers of a model split into pieces that differ only in the names of their
 inputs (``layers_3_..._weight`` against ``layers_4_..._weight``). The fingerprint hashes
 what the compiled code depends on and nothing else: each node's operation, target and
-arguments (nodes by position), and each input's dtype, device, shape, stride and
-``requires_grad``, with symbolic sizes renamed in order of appearance.
+arguments (nodes by position), and each input's dtype, device, shape, stride,
+``requires_grad`` and whether an earlier piece computes it, with symbolic sizes renamed in
+order of appearance.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import sympy
 import torch
 from torch import fx
+
+from graphattn.passes.split import COMPUTED_INPUT
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:
@@ -48,12 +51,14 @@ def _input_meta(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> str
     if node.op != "placeholder":
         return ""
     value = node.meta.get("example_value", node.meta.get("val"))
+    # an input an earlier piece computes is never a GEMV's weight (split.COMPUTED_INPUT)
+    source = " computed" if node.meta.get(COMPUTED_INPUT) else ""
     if isinstance(value, torch.Tensor):
         shape = [_size(s, symbols) for s in value.shape]
         stride = [_size(s, symbols) for s in value.stride()]
         # the device index too: Inductor's code for cuda:0 names device 0
-        return f"{value.dtype} {value.device} {shape} {stride} {value.requires_grad}"
-    return _size(value, symbols)
+        return f"{value.dtype} {value.device} {shape} {stride} {value.requires_grad}{source}"
+    return _size(value, symbols) + source
 
 
 def _size(value: Any, symbols: dict[sympy.Symbol, sympy.Symbol]) -> str:

@@ -21,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from graphattn._logging import logger
 from graphattn.config import DEFAULT_PASSES  # noqa: F401  (re-exported: the passes' home)
 from graphattn.errors import ConfigError
+from graphattn.passes.split import COMPUTED_INPUT
 
 
 class GraphPass(ABC):
@@ -43,27 +44,60 @@ class GraphPass(ABC):
 
 
 class PostGradPassManager(CustomGraphPass):
-    """Runs ``passes`` in order on each post-grad graph Inductor hands it."""
+    """Runs ``passes`` in order on each post-grad graph Inductor hands it.
+
+    ``for_piece`` gives the manager for one piece: it tells the passes which of the graph's
+    inputs an earlier piece computes (``COMPUTED_INPUT`` on those placeholders), which no
+    pass may take for a weight.
+    """
 
     def __init__(self, passes: Sequence[GraphPass]) -> None:
         self.passes = list(passes)
+        # (inputs of the piece, indices of those an earlier piece computes); None: unknown
+        self.inputs: tuple[int, tuple[int, ...]] | None = None
+
+    def for_piece(self, module: fx.GraphModule) -> PostGradPassManager:
+        """This manager's passes, for the post-grad graph of piece ``module``, whose
+        placeholders ``split.mark_computed_inputs`` marked (Inductor keeps their order)."""
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        computed = tuple(i for i, n in enumerate(placeholders) if n.meta.get(COMPUTED_INPUT))
+        manager = PostGradPassManager(self.passes)
+        manager.inputs = (len(placeholders), computed)
+        return manager
 
     def __call__(self, graph: fx.Graph) -> None:
+        if self.inputs is not None:
+            self._mark_computed_inputs(graph)
         for graph_pass in self.passes:
             changed = graph_pass(graph)
             if changed:
                 logger.debug("pass %s changed %d node(s)", graph_pass.name, changed)
         graph.lint()
 
+    def _mark_computed_inputs(self, graph: fx.Graph) -> None:
+        count, computed = self.inputs
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != count:  # not the piece's inputs one for one: trust none
+            logger.debug(
+                "post-grad graph has %d inputs, its piece %d: every input taken as computed",
+                len(placeholders),
+                count,
+            )
+            computed = range(len(placeholders))
+        for i in computed:
+            placeholders[i].meta[COMPUTED_INPUT] = True
+
     def uuid(self) -> str:
-        """Inductor keys its own caches (the FX graph cache) on this: each pass's uuid and
-        every source file of graphattn's compiler, as graphattn's compile cache does, so a
-        pass whose matching lives in another module never gets a stale graph back."""
+        """Inductor keys its own caches (the FX graph cache) on this: each pass's uuid,
+        which inputs the piece computes, and every source file of graphattn's compiler, as
+        graphattn's compile cache does, so a pass whose matching lives in another module
+        never gets a stale graph back."""
         from graphattn.passes.cache import compiler_source_hashes
 
         joined = ",".join(p.uuid() for p in self.passes)
         sources = ",".join(compiler_source_hashes())
-        return hashlib.sha256(f"graphattn-post-grad:{joined}:{sources}".encode()).hexdigest()
+        key = f"graphattn-post-grad:{joined}:{self.inputs}:{sources}"
+        return hashlib.sha256(key.encode()).hexdigest()
 
     @property
     def names(self) -> list[str]:

@@ -155,7 +155,7 @@ class PieceCompiler:
             piece.module,
             inputs,
             dynamic=dynamic,
-            pass_manager=self.pass_manager,
+            pass_manager=self.pass_manager.for_piece(piece.module),
             on_output_code=on_code,
             pdl=self.inductor_pdl,
         )

@@ -23,6 +23,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphattn.passes.pass_manager import GraphPass
+from graphattn.passes.split import COMPUTED_INPUT
 
 aten = torch.ops.aten
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # the dtypes the sweep measured
@@ -97,9 +98,12 @@ def single_row_linear_weight(node: fx.Node) -> fx.Node | None:
     if transposed.target is aten.permute.default and list(transposed.args[1]) != [1, 0]:
         return None
     weight = transposed.args[0]
-    # A parameter (a graph input or attribute), never a value computed in the graph: the
-    # GEMVs read their first weight tile before waiting for the kernel before them (PDL)
+    # A parameter (a graph input or attribute), never a value computed in the step, in this
+    # piece or an earlier one: the GEMVs read their first weight tile before waiting for
+    # the kernel before them (PDL)
     if not isinstance(weight, fx.Node) or weight.op not in ("placeholder", "get_attr"):
+        return None
+    if weight.meta.get(COMPUTED_INPUT):
         return None
     xv, wv = x.meta.get("val"), weight.meta.get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor):

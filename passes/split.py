@@ -70,14 +70,42 @@ def split_graph(gm: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph
 
 
 def split_graph_of(split: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph:
-    """The ``SplitGraph`` of an already split module: its pieces in call order."""
-    names = [n.target for n in split.graph.nodes if n.op == "call_module"]
+    """The ``SplitGraph`` of an already split module: its pieces in call order, each piece
+    input that an earlier piece computes marked (``mark_computed_inputs``)."""
+    calls = [n for n in split.graph.nodes if n.op == "call_module"]
     pieces = []
-    for index, name in enumerate(names):
-        module = getattr(split, name)
+    for index, call in enumerate(calls):
+        module = getattr(split, call.target)
         splitting = any(is_splitting_node(n, splitting_ops) for n in module.graph.nodes)
-        pieces.append(Piece(index, name, module, splitting))
+        mark_computed_inputs(call, module)
+        pieces.append(Piece(index, call.target, module, splitting))
     return SplitGraph(split, pieces)
+
+
+# node.meta key of a piece's placeholder whose value an earlier piece computes in the same
+# step (an activation), as opposed to a graph input of the whole model: parameters,
+# buffers and constants bound at trace time, or the step's input_ids and positions
+COMPUTED_INPUT = "graphattn_computed_input"
+
+
+def mark_computed_inputs(call: fx.Node, module: fx.GraphModule) -> None:
+    """Set ``COMPUTED_INPUT`` on each placeholder of ``module`` (called by ``call`` in the
+    split graph) whose argument is not an input or attribute of the split graph.
+
+    A kernel may read a model input before it waits for the kernel launched before it
+    (the GEMVs read their first weight tile so, under PDL); a value an earlier piece
+    computes may still be being written then, so the passes never treat one as a weight.
+    Where the call's arguments do not line up with the placeholders, all are marked.
+    """
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    args = list(call.args) if not call.kwargs and len(call.args) == len(placeholders) else None
+    for i, node in enumerate(placeholders):
+        outside = args is not None and isinstance(args[i], fx.Node)
+        outside = outside and args[i].op in ("placeholder", "get_attr")
+        if outside:
+            node.meta.pop(COMPUTED_INPUT, None)
+        else:
+            node.meta[COMPUTED_INPUT] = True
 
 
 def assign_pieces(graph: fx.Graph, splitting_ops: frozenset[str]) -> dict[fx.Node, int]:

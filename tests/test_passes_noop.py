@@ -186,3 +186,35 @@ def test_the_manager_uuid_covers_graphattns_compiler_sources(monkeypatch):
     assert manager.uuid() == before  # stable within a process
     monkeypatch.setattr(cache, "compiler_source_hashes", lambda: ["unfuse_addmm.py:edited"])
     assert manager.uuid() != before
+
+
+def test_a_pieces_manager_marks_the_inputs_an_earlier_piece_computes():
+    """``for_piece`` carries which of a piece's inputs an earlier piece computes onto the
+    post-grad graph's placeholders (one for one, in order; all of them where the counts
+    differ), into the manager's uuid and into the piece's fingerprint."""
+    from graphattn.passes.fingerprint import graph_fingerprint
+    from graphattn.passes.split import COMPUTED_INPUT
+
+    def three(a, b, c):
+        return (a + b * c,)
+
+    def inputs(gm):
+        return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    piece = fx.symbolic_trace(three)
+    unmarked = graph_fingerprint(piece)
+    inputs(piece)[1].meta[COMPUTED_INPUT] = True
+    assert graph_fingerprint(piece) != unmarked
+    base = make_pass_manager(["noop_elimination"])
+    manager = base.for_piece(piece)
+    assert manager.inputs == (3, (1,)) and manager.names == base.names and base.inputs is None
+    post_grad = make_fx(three)(*(torch.randn(4) for _ in range(3)))
+    manager(post_grad.graph)
+    assert [bool(n.meta.get(COMPUTED_INPUT)) for n in inputs(post_grad)] == [False, True, False]
+    assert manager.uuid() != base.uuid()
+    inputs(piece)[2].meta[COMPUTED_INPUT] = True
+    assert base.for_piece(piece).uuid() != manager.uuid()
+    assert base.for_piece(piece).uuid() == base.for_piece(piece).uuid()
+    two = make_fx(lambda a, b: (a + b,))(torch.randn(4), torch.randn(4))
+    manager(two.graph)  # not the piece's inputs: none is trusted as a model input
+    assert all(n.meta.get(COMPUTED_INPUT) for n in inputs(two))

@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import graphattn as ga
 from graphattn.passes.single_row_gemv import GEMV_OP, SingleRowGemvPass
+from graphattn.passes.split import COMPUTED_INPUT
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
@@ -133,3 +134,90 @@ def test_engine_one_token_build_runs_the_gemv_with_cublas_tokens(monkeypatch, tm
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     assert with_gemv.generate(prompts, 12) == cublas.generate(prompts, 12)
     assert with_gemv.stats.runtime_modes["FULL"] > 0
+
+
+# -- inputs an earlier piece computes -------------------------------------------------------
+
+
+def test_a_weight_an_earlier_piece_computes_stays_a_matmul():
+    """A placeholder marked as computed by an earlier piece (an activation, possibly still
+    being written when a PDL-launched GEMV reads its first weight tile) is no weight."""
+    gm = _linear_graph((1, 64), (96, 64))
+    (_, w) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    w.meta[COMPUTED_INPUT] = True
+    assert _rewrites(gm) == 0
+    del w.meta[COMPUTED_INPUT]
+    assert _rewrites(gm) == 1
+
+
+class ComputedWeightModel(torch.nn.Module):
+    """Embedding, qkv, one ga.Attention, then two linears of the attention output: ``o``
+    (a parameter) and one whose weight the step computes before the attention (so it
+    reaches the piece after the attention as an input computed by the piece before)."""
+
+    def __init__(self, vocab=64, hidden=64):
+        super().__init__()
+        self.vocab_size, heads, kv_heads, head = vocab, 4, 2, 16
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * head, bias=False)
+        self.attn = ga.Attention(heads, head, head**-0.5, kv_heads, prefix="attn")
+        self.o = torch.nn.Linear(heads * head, hidden, bias=False)
+        self.side = torch.nn.Linear(heads * head, 32, bias=False)
+        self.sizes = (heads * head, kv_heads * head, kv_heads * head)
+
+    def forward(self, input_ids, positions):
+        h = self.embed(input_ids)
+        side_weight = self.side.weight * 2  # computed in the piece before the attention
+        q, k, v = self.qkv(h).split(self.sizes, -1)
+        a = self.attn(q, k, v)
+        return torch.cat([self.o(a), torch.nn.functional.linear(a, side_weight)], -1)
+
+
+def test_compiled_model_keeps_a_computed_weight_on_cublas(monkeypatch, tmp_path):
+    """Compiled by Inductor (CPU, the GEMV pass let onto the CPU): the one-token build runs
+    the GEMV for qkv and o, whose weights are parameters, but not for the linear whose
+    weight the piece before the attention computes; the pieces' inputs say which is which,
+    and the output matches an engine without the pass."""
+    from graphattn.kernels import gemv as gemv_module
+    from graphattn.passes import single_row_gemv
+
+    monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
+    seen = []
+    launch = gemv_module.gemv
+
+    def counting(x, weight, *args, **kwargs):
+        seen.append(tuple(weight.shape))
+        return launch(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_module, "gemv", counting)
+    torch.manual_seed(0)
+    model = ComputedWeightModel().to(BF16)
+    common = dict(
+        cudagraph_mode="NONE",
+        attention_backend="TORCH_REF",
+        compile_sizes=(1,),
+        max_num_seqs=2,
+        max_num_tokens=16,
+        max_model_len=64,
+        num_blocks=8,
+    )
+    passes = ("noop_elimination", "single_row_gemv")
+    with_gemv = ga.compile(model, passes=passes, cache_dir=str(tmp_path / "gemv"), **common)
+    plain = ga.compile(
+        model, passes=("noop_elimination",), cache_dir=str(tmp_path / "mm"), **common
+    )
+    again = ga.compile(model, passes=passes, cache_dir=str(tmp_path / "gemv"), **common)
+    assert again.report.compile["trace_source"] == "trace cache"  # split_graph_of on a load
+    for engine in (with_gemv, again):
+        after_attention = engine.compiled.pieces[-1].piece.module
+        inputs = [n for n in after_attention.graph.nodes if n.op == "placeholder"]
+        # the attention output and the side weight; o's weight is an input of the model
+        assert sum(bool(n.meta.get(COMPUTED_INPUT)) for n in inputs) == 2 < len(inputs)
+    prompt = ga.Request(list(range(1, 6)), 0, [0])
+    for engine in (with_gemv, plain):
+        engine.step(ga.Batch.from_requests([prompt]))
+    seen.clear()
+    step = ga.Batch.from_requests([ga.Request([7], 5, [0])])
+    got = with_gemv.step(step)
+    assert sorted(seen) == [(64, 64), (128, 64)]  # o and qkv; never the side weight [32, 64]
+    torch.testing.assert_close(got, plain.step(step), rtol=2e-2, atol=2e-2)
