@@ -173,15 +173,18 @@ class ComputedWeightModel(torch.nn.Module):
         return torch.cat([self.o(a), torch.nn.functional.linear(a, side_weight)], -1)
 
 
-def test_compiled_model_keeps_a_computed_weight_on_cublas(monkeypatch, tmp_path):
-    """Compiled by Inductor (CPU, the GEMV pass let onto the CPU): the one-token build runs
-    the GEMV for qkv and o, whose weights are parameters, but not for the linear whose
-    weight the piece before the attention computes; the pieces' inputs say which is which,
-    and the output matches an engine without the pass."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_model_keeps_a_computed_weight_on_cublas(monkeypatch, tmp_path, device):
+    """Compiled by Inductor (on the CPU with the GEMV pass let onto it; on the GPU with
+    FULL_AND_PIECEWISE graphs): the one-token build runs the GEMV for qkv and o, whose
+    weights are parameters, but never for the linear whose weight the piece before the
+    attention computes; the pieces' inputs say which is which, also when the trace comes
+    from the trace cache, and the output matches an engine without the pass."""
     from graphattn.kernels import gemv as gemv_module
     from graphattn.passes import single_row_gemv
 
-    monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
+    if device == "cpu":
+        monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
     seen = []
     launch = gemv_module.gemv
 
@@ -191,16 +194,14 @@ def test_compiled_model_keeps_a_computed_weight_on_cublas(monkeypatch, tmp_path)
 
     monkeypatch.setattr(gemv_module, "gemv", counting)
     torch.manual_seed(0)
-    model = ComputedWeightModel().to(BF16)
+    model = ComputedWeightModel().to(device, BF16)
     common = dict(
-        cudagraph_mode="NONE",
-        attention_backend="TORCH_REF",
-        compile_sizes=(1,),
-        max_num_seqs=2,
-        max_num_tokens=16,
-        max_model_len=64,
-        num_blocks=8,
-    )
+        max_num_seqs=2, max_num_tokens=16, max_model_len=64, num_blocks=8, compile_sizes=(1,)
+    )  # fmt: skip
+    if device == "cpu":
+        common.update(cudagraph_mode="NONE", attention_backend="TORCH_REF")
+    else:
+        common.update(cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=(1, 2))
     passes = ("noop_elimination", "single_row_gemv")
     with_gemv = ga.compile(model, passes=passes, cache_dir=str(tmp_path / "gemv"), **common)
     plain = ga.compile(
@@ -216,8 +217,14 @@ def test_compiled_model_keeps_a_computed_weight_on_cublas(monkeypatch, tmp_path)
     prompt = ga.Request(list(range(1, 6)), 0, [0])
     for engine in (with_gemv, plain):
         engine.step(ga.Batch.from_requests([prompt]))
-    seen.clear()
+    if device == "cpu":
+        seen.clear()
     step = ga.Batch.from_requests([ga.Request([7], 5, [0])])
     got = with_gemv.step(step)
-    assert sorted(seen) == [(64, 64), (128, 64)]  # o and qkv; never the side weight [32, 64]
+    # o and qkv (on the GPU, as the engines captured them); never the side weight [32, 64]
+    assert set(seen) == {(64, 64), (128, 64)}
+    if device == "cpu":
+        assert len(seen) == 2
+    else:
+        assert with_gemv.stats.runtime_modes["FULL"] == 1
     torch.testing.assert_close(got, plain.step(step), rtol=2e-2, atol=2e-2)
