@@ -157,7 +157,7 @@ class ComputedWeightModel(torch.nn.Module):
 
     def __init__(self, vocab=64, hidden=64):
         super().__init__()
-        self.vocab_size, heads, kv_heads, head = vocab, 4, 2, 16
+        self.vocab_size, heads, kv_heads, head = vocab, 2, 1, 64
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * head, bias=False)
         self.attn = ga.Attention(heads, head, head**-0.5, kv_heads, prefix="attn")
@@ -201,7 +201,11 @@ def test_compiled_model_keeps_a_computed_weight_on_cublas(monkeypatch, tmp_path,
     if device == "cpu":
         common.update(cudagraph_mode="NONE", attention_backend="TORCH_REF")
     else:
-        common.update(cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=(1, 2))
+        common.update(
+            cudagraph_mode="FULL_AND_PIECEWISE",
+            cudagraph_capture_sizes=(1, 2),
+            attention_backend="TRITON",
+        )
     passes = ("noop_elimination", "single_row_gemv")
     with_gemv = ga.compile(model, passes=passes, cache_dir=str(tmp_path / "gemv"), **common)
     plain = ga.compile(
@@ -221,8 +225,8 @@ def test_compiled_model_keeps_a_computed_weight_on_cublas(monkeypatch, tmp_path,
         seen.clear()
     step = ga.Batch.from_requests([ga.Request([7], 5, [0])])
     got = with_gemv.step(step)
-    # o and qkv (on the GPU, as the engines captured them); never the side weight [32, 64]
-    assert set(seen) == {(64, 64), (128, 64)}
+    # o and qkv (on the GPU, as the engines captured them); never the side weight [32, 128]
+    assert set(seen) == {(64, 128), (256, 64)}
     if device == "cpu":
         assert len(seen) == 2
     else:
