@@ -4,7 +4,7 @@ The middle layers of a model split into pieces that differ only in the names of 
 inputs (``layers_3_..._weight`` against ``layers_4_..._weight``). The fingerprint hashes
 what the compiled code depends on and nothing else: each node's operation, target and
 arguments (nodes by position), and each input's dtype, device, shape, stride,
-``requires_grad`` and whether an earlier piece computes it, with symbolic sizes renamed in
+``requires_grad`` and whether it is a model input no kernel of the step writes, with symbolic sizes renamed in
 order of appearance.
 """
 
@@ -17,7 +17,7 @@ import sympy
 import torch
 from torch import fx
 
-from graphattn.passes.split import COMPUTED_INPUT
+from graphattn.passes.split import MODEL_INPUT
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:
@@ -51,8 +51,8 @@ def _input_meta(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> str
     if node.op != "placeholder":
         return ""
     value = node.meta.get("example_value", node.meta.get("val"))
-    # an input an earlier piece computes is never a GEMV's weight (split.COMPUTED_INPUT)
-    source = " computed" if node.meta.get(COMPUTED_INPUT) else ""
+    # only a model input no kernel of the step writes may be a GEMV's weight (split.MODEL_INPUT)
+    source = " model-input" if node.meta.get(MODEL_INPUT) else ""
     if isinstance(value, torch.Tensor):
         shape = [_size(s, symbols) for s in value.shape]
         stride = [_size(s, symbols) for s in value.stride()]

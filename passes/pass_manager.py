@@ -8,6 +8,7 @@ key, so changing a pass (its source) never reuses code compiled without it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import sys
@@ -15,13 +16,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
+import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphattn._logging import logger
 from graphattn.config import DEFAULT_PASSES  # noqa: F401  (re-exported: the passes' home)
 from graphattn.errors import ConfigError
-from graphattn.passes.split import COMPUTED_INPUT
+from graphattn.passes.split import MODEL_INPUT
 
 
 class GraphPass(ABC):
@@ -47,49 +49,67 @@ class PostGradPassManager(CustomGraphPass):
     """Runs ``passes`` in order on each post-grad graph Inductor hands it.
 
     ``for_piece`` gives the manager for one piece: it tells the passes which of the graph's
-    inputs an earlier piece computes (``COMPUTED_INPUT`` on those placeholders), which no
-    pass may take for a weight.
+    inputs are model inputs no kernel of the step writes (``MODEL_INPUT`` on those
+    placeholders), the only ones a pass may take for a weight. A manager made without a
+    piece marks nothing (Inductor's graphs come unmarked, so its passes take no placeholder
+    for a weight; a test's hand-built graph may carry its own marks).
     """
 
     def __init__(self, passes: Sequence[GraphPass]) -> None:
         self.passes = list(passes)
-        # (inputs of the piece, indices of those an earlier piece computes); None: unknown
+        # (inputs of the piece, indices of its model inputs); None: no piece, no marks
         self.inputs: tuple[int, tuple[int, ...]] | None = None
 
     def for_piece(self, module: fx.GraphModule) -> PostGradPassManager:
         """This manager's passes, for the post-grad graph of piece ``module``, whose
-        placeholders ``split.mark_computed_inputs`` marked (Inductor keeps their order)."""
+        placeholders ``split.mark_model_inputs`` marked (Inductor keeps their order).
+
+        A piece that calls a higher-order op (``torch.cond`` and the like) gets no marks:
+        Inductor runs the passes on each body graph too, whose inputs are the op's operands,
+        not the piece's.
+        """
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-        computed = tuple(i for i, n in enumerate(placeholders) if n.meta.get(COMPUTED_INPUT))
-        manager = PostGradPassManager(self.passes)
-        manager.inputs = (len(placeholders), computed)
+        nested = any(
+            isinstance(n.target, torch._ops.HigherOrderOperator) for n in module.graph.nodes
+        )
+        marked = tuple(i for i, n in enumerate(placeholders) if n.meta.get(MODEL_INPUT))
+        if nested and marked:
+            logger.debug("a piece with a higher-order op: none of its inputs is a weight")
+            marked = ()
+        manager = copy.copy(self)
+        manager.inputs = (len(placeholders), marked)
         return manager
 
     def __call__(self, graph: fx.Graph) -> None:
-        if self.inputs is not None:
-            self._mark_computed_inputs(graph)
+        self._mark_model_inputs(graph)
         for graph_pass in self.passes:
             changed = graph_pass(graph)
             if changed:
                 logger.debug("pass %s changed %d node(s)", graph_pass.name, changed)
         graph.lint()
 
-    def _mark_computed_inputs(self, graph: fx.Graph) -> None:
-        count, computed = self.inputs
+    def _mark_model_inputs(self, graph: fx.Graph) -> None:
+        if self.inputs is None:  # no piece: marks only a graph built with them has
+            return
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for node in placeholders:  # only the piece's marks count
+            node.meta.pop(MODEL_INPUT, None)
+        count, marked = self.inputs
         if len(placeholders) != count:  # not the piece's inputs one for one: trust none
-            logger.debug(
-                "post-grad graph has %d inputs, its piece %d: every input taken as computed",
-                len(placeholders),
-                count,
-            )
-            computed = range(len(placeholders))
-        for i in computed:
-            placeholders[i].meta[COMPUTED_INPUT] = True
+            if marked:
+                logger.warning(
+                    "graphattn: a post-grad graph has %d inputs where its piece has %d; its "
+                    "one-row linears stay on cuBLAS",
+                    len(placeholders),
+                    count,
+                )
+            return
+        for i in marked:
+            placeholders[i].meta[MODEL_INPUT] = True
 
     def uuid(self) -> str:
         """Inductor keys its own caches (the FX graph cache) on this: each pass's uuid,
-        which inputs the piece computes, and every source file of graphattn's compiler, as
+        which of the piece's inputs are model inputs, and every source file of graphattn's compiler, as
         graphattn's compile cache does, so a pass whose matching lives in another module
         never gets a stale graph back."""
         from graphattn.passes.cache import compiler_source_hashes

@@ -23,7 +23,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphattn.passes.pass_manager import GraphPass
-from graphattn.passes.split import COMPUTED_INPUT
+from graphattn.passes.split import MODEL_INPUT
 
 aten = torch.ops.aten
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # the dtypes the sweep measured
@@ -86,8 +86,9 @@ def module_uuid(name: str, *modules: str) -> str:
 
 def single_row_linear_weight(node: fx.Node) -> fx.Node | None:
     """The ``[N, K]`` weight node of ``mm(x, permute(w, [1, 0]))`` when ``x`` is statically
-    one row, ``w`` is a graph input or attribute (a parameter), and both run on CUDA in a
-    GEMV dtype with 16-byte rows; else None."""
+    one row, ``w`` is a model input no kernel of the step writes (a parameter: see
+    ``split.MODEL_INPUT``) or an attribute, and both run on CUDA in a GEMV dtype with 16-byte
+    rows; else None."""
     if node.op != "call_function" or node.target is not aten.mm.default or len(node.args) != 2:
         return None
     x, transposed = node.args
@@ -98,12 +99,15 @@ def single_row_linear_weight(node: fx.Node) -> fx.Node | None:
     if transposed.target is aten.permute.default and list(transposed.args[1]) != [1, 0]:
         return None
     weight = transposed.args[0]
-    # A parameter (a graph input or attribute), never a value computed in the step, in this
-    # piece or an earlier one: the GEMVs read their first weight tile before waiting for
-    # the kernel before them (PDL)
-    if not isinstance(weight, fx.Node) or weight.op not in ("placeholder", "get_attr"):
+    # A model input no kernel of the step writes (split.MODEL_INPUT, set through the pass
+    # manager's for_piece) or a constant of the piece, never a value computed in the step,
+    # in this piece or an earlier one: the GEMVs read their first weight tile before
+    # waiting for the kernel before them (PDL)
+    if not isinstance(weight, fx.Node):
         return None
-    if weight.meta.get(COMPUTED_INPUT):
+    if not (
+        weight.op == "get_attr" or (weight.op == "placeholder" and weight.meta.get(MODEL_INPUT))
+    ):
         return None
     xv, wv = x.meta.get("val"), weight.meta.get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor):

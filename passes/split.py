@@ -71,41 +71,174 @@ def split_graph(gm: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph
 
 def split_graph_of(split: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph:
     """The ``SplitGraph`` of an already split module: its pieces in call order, each piece
-    input that an earlier piece computes marked (``mark_computed_inputs``)."""
+    input that is a model input no kernel of the step writes marked (``mark_model_inputs``)."""
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     pieces = []
     for index, call in enumerate(calls):
         module = getattr(split, call.target)
         splitting = any(is_splitting_node(n, splitting_ops) for n in module.graph.nodes)
-        mark_computed_inputs(call, module)
         pieces.append(Piece(index, call.target, module, splitting))
+    mark_model_inputs(split, calls)
     return SplitGraph(split, pieces)
 
 
-# node.meta key of a piece's placeholder whose value an earlier piece computes in the same
-# step (an activation), as opposed to a graph input of the whole model: parameters,
-# buffers and constants bound at trace time, or the step's input_ids and positions
-COMPUTED_INPUT = "graphattn_computed_input"
+# node.meta key of a piece's placeholder that is an input of the whole model which no kernel
+# of the step writes (a parameter, buffer or constant bound at trace time, never written in
+# place): the only kind of value a GEMV may take for its weight, since it reads its first
+# weight tile before it waits for the kernel launched before it (PDL). The step's input_ids
+# and positions are marked too (the split graph does not tell them apart); 1-D integer
+# tensors, they are never a weight.
+MODEL_INPUT = "graphattn_model_input"
 
 
-def mark_computed_inputs(call: fx.Node, module: fx.GraphModule) -> None:
-    """Set ``COMPUTED_INPUT`` on each placeholder of ``module`` (called by ``call`` in the
-    split graph) whose argument is not an input or attribute of the split graph.
+def mark_model_inputs(split: fx.GraphModule, calls: list[fx.Node]) -> None:
+    """Set ``MODEL_INPUT`` on each piece placeholder whose argument is an input or attribute
+    of the split graph that no piece writes in place, nor lets a view of escape.
 
-    A kernel may read a model input before it waits for the kernel launched before it
-    (the GEMVs read their first weight tile so, under PDL); a value an earlier piece
-    computes may still be being written then, so the passes never treat one as a weight.
-    Where the call's arguments do not line up with the placeholders, all are marked.
+    It fails closed: a value an earlier piece computes, an input some piece mutates (or
+    might, through a view it returns), and a piece whose call does not line up with its
+    placeholders get no mark.
     """
+    written: set[fx.Node] = set()
+    for call in calls:
+        module = getattr(split, call.target)
+        for arg, node in _piece_inputs(call, module):
+            if _is_model_input(arg) and _may_be_written(node):
+                written.add(arg)
+    for call in calls:
+        module = getattr(split, call.target)
+        for node in module.graph.nodes:
+            if node.op == "placeholder":
+                node.meta.pop(MODEL_INPUT, None)
+        for arg, node in _piece_inputs(call, module):
+            if _is_model_input(arg) and arg not in written:
+                node.meta[MODEL_INPUT] = True
+
+
+def _piece_inputs(call: fx.Node, module: fx.GraphModule) -> list[tuple[object, fx.Node]]:
+    """(argument in the split graph, placeholder of the piece) pairs; none where the call's
+    arguments do not line up with the placeholders."""
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    args = list(call.args) if not call.kwargs and len(call.args) == len(placeholders) else None
-    for i, node in enumerate(placeholders):
-        outside = args is not None and isinstance(args[i], fx.Node)
-        outside = outside and args[i].op in ("placeholder", "get_attr")
-        if outside:
-            node.meta.pop(COMPUTED_INPUT, None)
-        else:
-            node.meta[COMPUTED_INPUT] = True
+    if call.kwargs or len(call.args) != len(placeholders):
+        return []
+    return list(zip(call.args, placeholders))
+
+
+def _is_model_input(arg: object) -> bool:
+    return isinstance(arg, fx.Node) and arg.op in ("placeholder", "get_attr")
+
+
+# ops whose result may share memory with their first argument (Dynamo's method and function
+# names, and ATen's): a write through one is a write of the input
+_VIEW_NAMES = frozenset(
+    [
+        "view",
+        "reshape",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "expand_as",
+        "narrow",
+        "select",
+        "unsqueeze",
+        "squeeze",
+        "flatten",
+        "unflatten",
+        "view_as",
+        "reshape_as",
+        "as_strided",
+        "detach",
+        "split",
+        "chunk",
+        "unbind",
+        "contiguous",
+        "getitem",
+        "__getitem__",
+        "swapaxes",
+        "swapdims",
+        "movedim",
+        "moveaxis",
+        "diagonal",
+        "unfold",
+        "real",
+        "imag",
+        "T",
+        "mT",
+        "H",
+        "mH",
+        "data",
+        "_unsafe_view",
+        "alias",
+        "slice",
+        "tensor_split",
+        "split_with_sizes",
+    ]
+)
+
+
+def _may_be_written(placeholder: fx.Node) -> bool:
+    """Whether the piece writes ``placeholder`` in place, through itself or a view of it, or
+    returns a view of it (another piece could write that), or hands it to a higher-order op."""
+    aliases, pending = {placeholder}, [placeholder]
+    while pending:
+        for user in pending.pop().users:
+            if user.op == "output" or _writes(user, aliases):
+                return True
+            if user not in aliases and _is_view(user):
+                aliases.add(user)
+                pending.append(user)
+    return False
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.partition("::")[2]
+    return getattr(target, "__name__", "") or ""
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in node.target._schema.returns)
+    return _name(node) in _VIEW_NAMES or node.target is getattr
+
+
+def _writes(node: fx.Node, aliases: set[fx.Node]) -> bool:
+    """Whether ``node`` may write one of ``aliases``: an in-place method or function (its
+    name ends in ``_``: ``add_``, ``copy_``, ``index_copy_``), ``x[i] = v`` and ``x += v``,
+    an op whose schema writes an argument, or any higher-order op (its body is a graph)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return any(a in aliases for a in node.all_input_nodes)
+    if isinstance(target, torch._ops.OpOverload):
+        arguments = target._schema.arguments
+        written = [
+            node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            for i, arg in enumerate(arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        ]
+        flat = [x for w in written for x in (w if isinstance(w, (list, tuple)) else (w,))]
+        return any(isinstance(x, fx.Node) and x in aliases for x in flat)
+    if isinstance(target, torch._ops.OpOverloadPacket):  # any overload might write
+        return any(a in aliases for a in node.all_input_nodes)
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node) or first not in aliases:
+        return False
+    name = _name(node)
+    if target in (operator.setitem, operator.iadd, operator.isub, operator.imul):
+        return True
+    if target in (operator.itruediv, operator.ifloordiv, operator.ipow, operator.imod):
+        return True
+    if target in (operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift):
+        return True
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__"
 
 
 def assign_pieces(graph: fx.Graph, splitting_ops: frozenset[str]) -> dict[fx.Node, int]:

@@ -227,3 +227,15 @@ def assert_main_needs_cuda(main, capsys) -> None:
         pytest.skip("a CUDA device is here")
     assert main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def as_model_inputs(gm):
+    """Mark every placeholder of ``gm`` a model input no kernel writes (``split.MODEL_INPUT``,
+    which the pass manager sets for a piece of a compiled model), as a graph built by hand
+    for a pass's tests stands for a piece whose inputs are all parameters."""
+    from graphattn.passes.split import MODEL_INPUT
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[MODEL_INPUT] = True
+    return gm

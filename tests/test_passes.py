@@ -203,6 +203,62 @@ def test_split_graph_runs_like_the_model_eagerly():
             torch.testing.assert_close(got, model(ids, pos))
 
 
+class WritesItsInputs(nn.Module):
+    """Before its toy attention: a buffer written in place and a view of a parameter made
+    (used after it); after it, linears of the attention output by a parameter, the buffer
+    and the view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.embed = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen), requires_grad=False)
+        self.w = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen), requires_grad=False)
+        self.v = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen), requires_grad=False)
+        self.register_buffer("buf", torch.randn(HIDDEN, HIDDEN, generator=gen))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed[input_ids]
+        self.buf.mul_(1.0)
+        vt = self.v.t()
+        q, k = x * 2, x + 1
+        out = torch.empty_like(q)
+        dep = torch.ops.graphattn_test.toy_cache_update(k, 0)
+        torch.ops.graphattn_test.toy_attention(q, k, out, dep, 0)
+        return out @ self.w + out @ self.buf + out @ vt
+
+
+def test_only_model_inputs_no_piece_writes_are_marked_as_weights():
+    """``split.MODEL_INPUT`` (the only placeholders a GEMV pass takes for a weight): a
+    parameter no piece writes is marked in every piece; a buffer written in place in an
+    earlier piece, a parameter whose view leaves its piece (another could write through
+    it), and values earlier pieces compute (the attention output, the view) are not."""
+    from graphattn.passes.split import MODEL_INPUT
+
+    with torch.inference_mode():
+        trace = trace_model(WritesItsInputs(), *_inputs(8))
+    split = split_graph(trace.graph_module, resolve_splitting_ops(TOY_OPS))
+    first, _, last = split.pieces
+
+    def marks(piece):
+        nodes = piece.module.graph.nodes
+        return {n.name: bool(n.meta.get(MODEL_INPUT)) for n in nodes if n.op == "placeholder"}
+
+    tensors = {k: v for k, v in marks(first).items() if not k.startswith("s")}
+    assert tensors == {
+        "l_model_parameters_embed_": True,
+        "l_input_ids_": True,  # 1-D integers: never a weight
+        "l_model_buffers_buf_": False,  # written in place here
+        "l_model_parameters_v_": False,  # its view leaves the piece
+    }
+    tensors = {k: v for k, v in marks(last).items() if not k.startswith("s")}
+    assert tensors == {
+        "out": False,  # the attention's output
+        "l_model_parameters_w_": True,
+        "l_model_buffers_buf_": False,
+        "vt": False,  # computed in the first piece
+    }
+
+
 @pytest.mark.parametrize(
     "ops, message",
     [
@@ -1029,7 +1085,11 @@ def test_a_missing_piece_build_sends_the_start_back_to_dynamo(toy, cache_dir, tm
     copy_dir = tmp_path / "cache"
     shutil.copytree(cache_dir, copy_dir)
     pieces = copy_dir / compiled.info.cache_key / "pieces"
-    os.remove(pieces / sorted(os.listdir(pieces))[0])
+    from graphattn.passes.fingerprint import graph_fingerprint
+
+    # one of this model's builds (the directory also holds other tests' models' builds)
+    fingerprint = graph_fingerprint(compiled.pieces[0].piece.module)
+    os.remove(pieces / f"{fingerprint[:32]}-dynamic.bin")
     again = _compile(model, _options(copy_dir))
     info = again.info
     assert info.trace_source == "dynamo" and "is not in the compile cache" in info.trace_cache

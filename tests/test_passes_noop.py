@@ -188,12 +188,13 @@ def test_the_manager_uuid_covers_graphattns_compiler_sources(monkeypatch):
     assert manager.uuid() != before
 
 
-def test_a_pieces_manager_marks_the_inputs_an_earlier_piece_computes():
-    """``for_piece`` carries which of a piece's inputs an earlier piece computes onto the
-    post-grad graph's placeholders (one for one, in order; all of them where the counts
-    differ), into the manager's uuid and into the piece's fingerprint."""
+def test_a_pieces_manager_marks_its_model_inputs():
+    """``for_piece`` carries which of a piece's inputs are model inputs no kernel of the
+    step writes onto the post-grad graph's placeholders (one for one, in order; none where
+    the counts differ or the piece calls a higher-order op), into the manager's uuid and
+    into the piece's fingerprint; a manager without a piece leaves a graph's marks alone."""
     from graphattn.passes.fingerprint import graph_fingerprint
-    from graphattn.passes.split import COMPUTED_INPUT
+    from graphattn.passes.split import MODEL_INPUT
 
     def three(a, b, c):
         return (a + b * c,)
@@ -201,20 +202,34 @@ def test_a_pieces_manager_marks_the_inputs_an_earlier_piece_computes():
     def inputs(gm):
         return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
+    def marks(gm):
+        return [bool(n.meta.get(MODEL_INPUT)) for n in inputs(gm)]
+
     piece = fx.symbolic_trace(three)
     unmarked = graph_fingerprint(piece)
-    inputs(piece)[1].meta[COMPUTED_INPUT] = True
+    inputs(piece)[1].meta[MODEL_INPUT] = True
     assert graph_fingerprint(piece) != unmarked
     base = make_pass_manager(["noop_elimination"])
     manager = base.for_piece(piece)
     assert manager.inputs == (3, (1,)) and manager.names == base.names and base.inputs is None
     post_grad = make_fx(three)(*(torch.randn(4) for _ in range(3)))
+    inputs(post_grad)[0].meta[MODEL_INPUT] = True  # only the piece's marks count
     manager(post_grad.graph)
-    assert [bool(n.meta.get(COMPUTED_INPUT)) for n in inputs(post_grad)] == [False, True, False]
+    assert marks(post_grad) == [False, True, False]
+    base(post_grad.graph)  # no piece: the graph keeps what it has
+    assert marks(post_grad) == [False, True, False]
     assert manager.uuid() != base.uuid()
-    inputs(piece)[2].meta[COMPUTED_INPUT] = True
+    inputs(piece)[2].meta[MODEL_INPUT] = True
     assert base.for_piece(piece).uuid() != manager.uuid()
     assert base.for_piece(piece).uuid() == base.for_piece(piece).uuid()
     two = make_fx(lambda a, b: (a + b,))(torch.randn(4), torch.randn(4))
     manager(two.graph)  # not the piece's inputs: none is trusted as a model input
-    assert all(n.meta.get(COMPUTED_INPUT) for n in inputs(two))
+    assert marks(two) == [False, False]
+
+    nested = fx.symbolic_trace(three)
+    first = inputs(nested)[0]
+    with nested.graph.inserting_after(first):  # a cond call (never run here)
+        nested.graph.call_function(torch.ops.higher_order.cond, (first, first, first, ()))
+    for node in inputs(nested):
+        node.meta[MODEL_INPUT] = True
+    assert base.for_piece(nested).inputs == (3, ())  # Inductor runs the passes on its bodies

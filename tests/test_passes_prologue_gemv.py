@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import rel_err, small_bf16_llama
+from helpers import as_model_inputs, rel_err, small_bf16_llama
 from torch import fx
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -52,7 +52,7 @@ def _graph(fn, *shapes, keep=(), dtypes=None):
     gm = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*args)
     gm.graph.eliminate_dead_code()  # as Inductor has by the time post-grad passes run
     gm.recompile()
-    return gm
+    return as_model_inputs(gm)
 
 
 def _targets(gm: fx.GraphModule) -> collections.Counter:
