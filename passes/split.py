@@ -102,7 +102,10 @@ def mark_model_inputs(split: fx.GraphModule, calls: list[fx.Node]) -> None:
     written: set[fx.Node] = set()
     for call in calls:
         module = getattr(split, call.target)
-        for arg, node in _piece_inputs(call, module):
+        pairs = _piece_inputs(call, module)
+        if not pairs:  # the piece's inputs unknown: every model input it takes may be written
+            written.update(a for a in call.all_input_nodes if _is_model_input(a))
+        for arg, node in pairs:
             if _is_model_input(arg) and _may_be_written(node):
                 written.add(arg)
     for call in calls:
@@ -129,9 +132,31 @@ def _is_model_input(arg: object) -> bool:
 
 
 # ops whose result may share memory with their first argument (Dynamo's method and function
-# names, and ATen's): a write through one is a write of the input
+# names, and ATen's; a conversion to the dtype or device a tensor already has returns it):
+# a write through one is a write of the input
 _VIEW_NAMES = frozenset(
     [
+        "to",
+        "float",
+        "half",
+        "bfloat16",
+        "double",
+        "type",
+        "type_as",
+        "cpu",
+        "cuda",
+        "ravel",
+        "broadcast_to",
+        "atleast_1d",
+        "atleast_2d",
+        "atleast_3d",
+        "hsplit",
+        "vsplit",
+        "dsplit",
+        "unsafe_split",
+        "unsafe_chunk",
+        "_get_data_attr",
+        "dropout",
         "view",
         "reshape",
         "t",
@@ -200,6 +225,13 @@ def _name(node: fx.Node) -> str:
     return getattr(target, "__name__", "") or ""
 
 
+def _any_alias(value: object, aliases: set[fx.Node]) -> bool:
+    """``value`` (a node, or a list or tuple of them, as ``out=`` and ``_foreach_*_`` take)
+    is or holds one of ``aliases``."""
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    return any(isinstance(v, fx.Node) and v in aliases for v in values)
+
+
 def _is_view(node: fx.Node) -> bool:
     if node.op not in ("call_method", "call_function"):
         return False
@@ -210,8 +242,10 @@ def _is_view(node: fx.Node) -> bool:
 
 def _writes(node: fx.Node, aliases: set[fx.Node]) -> bool:
     """Whether ``node`` may write one of ``aliases``: an in-place method or function (its
-    name ends in ``_``: ``add_``, ``copy_``, ``index_copy_``), ``x[i] = v`` and ``x += v``,
-    an op whose schema writes an argument, or any higher-order op (its body is a graph)."""
+    name ends in ``_``: ``add_``, ``copy_``, ``index_copy_``, ``_foreach_mul_`` of a list),
+    ``x[i] = v`` and ``x += v``, an ``out=`` argument, ``inplace=True``, ``set_`` (which
+    makes another tensor an alias), an op whose schema writes an argument, or any
+    higher-order op (its body is a graph)."""
     if node.op not in ("call_method", "call_function"):
         return False
     target = node.target
@@ -228,10 +262,17 @@ def _writes(node: fx.Node, aliases: set[fx.Node]) -> bool:
         return any(isinstance(x, fx.Node) and x in aliases for x in flat)
     if isinstance(target, torch._ops.OpOverloadPacket):  # any overload might write
         return any(a in aliases for a in node.all_input_nodes)
-    first = node.args[0] if node.args else None
-    if not isinstance(first, fx.Node) or first not in aliases:
-        return False
+    kwargs = node.kwargs
+    if _any_alias(kwargs.get("out"), aliases):  # torch.add(a, b, out=buf)
+        return True
+    if kwargs.get("inplace") and any(a in aliases for a in node.all_input_nodes):  # F.relu
+        return True
     name = _name(node)
+    if name == "set_" and any(a in aliases for a in node.all_input_nodes):  # y.set_(buf)
+        return True
+    first = node.args[0] if node.args else None
+    if not _any_alias(first, aliases):  # the one argument the forms below write
+        return False
     if target in (operator.setitem, operator.iadd, operator.isub, operator.imul):
         return True
     if target in (operator.itruediv, operator.ifloordiv, operator.ipow, operator.imod):

@@ -215,10 +215,11 @@ class WritesItsInputs(nn.Module):
         self.w = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen), requires_grad=False)
         self.v = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen), requires_grad=False)
         self.register_buffer("buf", torch.randn(HIDDEN, HIDDEN, generator=gen))
+        self.write = lambda buf: buf.mul_(1.0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed[input_ids]
-        self.buf.mul_(1.0)
+        self.write(self.buf)
         vt = self.v.t()
         q, k = x * 2, x + 1
         out = torch.empty_like(q)
@@ -257,6 +258,36 @@ def test_only_model_inputs_no_piece_writes_are_marked_as_weights():
         "l_model_buffers_buf_": False,
         "vt": False,  # computed in the first piece
     }
+
+
+WRITES = {
+    "out=": lambda buf: torch.add(buf, 1.0, out=buf),
+    "inplace=True": lambda buf: torch.nn.functional.relu(buf, inplace=True),
+    ".data": lambda buf: buf.data.mul_(1.0),
+    ".to(its dtype)": lambda buf: buf.to(torch.float32).mul_(1.0),
+    "a transposed setitem": lambda buf: buf.t().__setitem__(0, 1.0),
+    "_foreach_mul_": lambda buf: torch._foreach_mul_([buf], 1.0),
+    "index_put_": lambda buf: buf.index_put_((torch.tensor([0]),), torch.tensor(1.0)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(WRITES))
+def test_a_buffer_written_in_any_form_is_no_weight(form):
+    """Each way Dynamo records a write of a buffer before the attention leaves the buffer
+    unmarked in the piece after it (a GEMV would read it early), its neighbours marked."""
+    from graphattn.passes.split import MODEL_INPUT
+
+    model = WritesItsInputs()
+    model.write = WRITES[form]
+    with torch.inference_mode():
+        trace = trace_model(model, *_inputs(8))
+    last = split_graph(trace.graph_module, resolve_splitting_ops(TOY_OPS)).pieces[-1]
+    marks = {
+        n.name: bool(n.meta.get(MODEL_INPUT))
+        for n in last.module.graph.nodes
+        if n.op == "placeholder"
+    }
+    assert marks["l_model_buffers_buf_"] is False and marks["l_model_parameters_w_"] is True
 
 
 @pytest.mark.parametrize(
