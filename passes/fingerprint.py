@@ -4,8 +4,8 @@ The middle layers of a model split into pieces that differ only in the names of 
 inputs (``layers_3_..._weight`` against ``layers_4_..._weight``). The fingerprint hashes
 what the compiled code depends on and nothing else: each node's operation, target and
 arguments (nodes by position), and each input's dtype, device, shape, stride,
-``requires_grad`` and whether it is a model input no kernel of the step writes, with symbolic sizes renamed in
-order of appearance.
+``requires_grad`` and whether it is a model input no kernel of the step writes
+(``split.MODEL_INPUT``), with symbolic sizes renamed in order of appearance.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class PostGradPassManager(CustomGraphPass):
         Inductor runs the passes on each body graph too, whose inputs are the op's operands,
         not the piece's.
         """
-        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        placeholders = list(module.graph.find_nodes(op="placeholder"))
         nested = any(
             isinstance(n.target, torch._ops.HigherOrderOperator) for n in module.graph.nodes
         )
@@ -91,7 +91,7 @@ class PostGradPassManager(CustomGraphPass):
     def _mark_model_inputs(self, graph: fx.Graph) -> None:
         if self.inputs is None:  # no piece: marks only a graph built with them has
             return
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        placeholders = list(graph.find_nodes(op="placeholder"))
         for node in placeholders:  # only the piece's marks count
             node.meta.pop(MODEL_INPUT, None)
         count, marked = self.inputs
@@ -109,9 +109,9 @@ class PostGradPassManager(CustomGraphPass):
 
     def uuid(self) -> str:
         """Inductor keys its own caches (the FX graph cache) on this: each pass's uuid,
-        which of the piece's inputs are model inputs, and every source file of graphattn's compiler, as
-        graphattn's compile cache does, so a pass whose matching lives in another module
-        never gets a stale graph back."""
+        which of the piece's inputs are model inputs, and every source file of graphattn's
+        compiler, as graphattn's compile cache does, so a pass whose matching lives in
+        another module never gets a stale graph back."""
         from graphattn.passes.cache import compiler_source_hashes
 
         joined = ",".join(p.uuid() for p in self.passes)

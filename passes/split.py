@@ -99,21 +99,16 @@ def mark_model_inputs(split: fx.GraphModule, calls: list[fx.Node]) -> None:
     might, through a view it returns), and a piece whose call does not line up with its
     placeholders get no mark.
     """
+    inputs = [(call, _piece_inputs(call, getattr(split, call.target))) for call in calls]
     written: set[fx.Node] = set()
-    for call in calls:
-        module = getattr(split, call.target)
-        pairs = _piece_inputs(call, module)
+    for call, pairs in inputs:
         if not pairs:  # the piece's inputs unknown: every model input it takes may be written
             written.update(a for a in call.all_input_nodes if _is_model_input(a))
+        written.update(a for a, node in pairs if _is_model_input(a) and _may_be_written(node))
+    for call, pairs in inputs:
+        for node in getattr(split, call.target).graph.find_nodes(op="placeholder"):
+            node.meta.pop(MODEL_INPUT, None)
         for arg, node in pairs:
-            if _is_model_input(arg) and _may_be_written(node):
-                written.add(arg)
-    for call in calls:
-        module = getattr(split, call.target)
-        for node in module.graph.nodes:
-            if node.op == "placeholder":
-                node.meta.pop(MODEL_INPUT, None)
-        for arg, node in _piece_inputs(call, module):
             if _is_model_input(arg) and arg not in written:
                 node.meta[MODEL_INPUT] = True
 
@@ -121,7 +116,7 @@ def mark_model_inputs(split: fx.GraphModule, calls: list[fx.Node]) -> None:
 def _piece_inputs(call: fx.Node, module: fx.GraphModule) -> list[tuple[object, fx.Node]]:
     """(argument in the split graph, placeholder of the piece) pairs; none where the call's
     arguments do not line up with the placeholders."""
-    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    placeholders = list(module.graph.find_nodes(op="placeholder"))
     if call.kwargs or len(call.args) != len(placeholders):
         return []
     return list(zip(call.args, placeholders))
@@ -258,8 +253,7 @@ def _writes(node: fx.Node, aliases: set[fx.Node]) -> bool:
             for i, arg in enumerate(arguments)
             if arg.alias_info is not None and arg.alias_info.is_write
         ]
-        flat = [x for w in written for x in (w if isinstance(w, (list, tuple)) else (w,))]
-        return any(isinstance(x, fx.Node) and x in aliases for x in flat)
+        return any(_any_alias(w, aliases) for w in written)
     if isinstance(target, torch._ops.OpOverloadPacket):  # any overload might write
         return any(a in aliases for a in node.all_input_nodes)
     kwargs = node.kwargs
@@ -273,13 +267,17 @@ def _writes(node: fx.Node, aliases: set[fx.Node]) -> bool:
     first = node.args[0] if node.args else None
     if not _any_alias(first, aliases):  # the one argument the forms below write
         return False
-    if target in (operator.setitem, operator.iadd, operator.isub, operator.imul):
-        return True
-    if target in (operator.itruediv, operator.ifloordiv, operator.ipow, operator.imod):
-        return True
-    if target in (operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift):
+    if target in _INPLACE_OPERATORS:
         return True
     return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__"
+
+
+# x[i] = v and x += v (and the other augmented assignments) as Dynamo records them
+_INPLACE_OPERATORS = frozenset(
+    [operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv]
+    + [operator.ifloordiv, operator.ipow, operator.imod, operator.iand, operator.ior]
+    + [operator.ixor, operator.ilshift, operator.irshift]
+)
 
 
 def assign_pieces(graph: fx.Graph, splitting_ops: frozenset[str]) -> dict[fx.Node, int]:
