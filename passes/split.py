@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphattn.attention.ops import DEFAULT_SPLITTING_OPS
 from graphattn.errors import ConfigError
@@ -69,16 +70,21 @@ def split_graph(gm: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph
     return split_graph_of(split, splitting_ops)
 
 
-def split_graph_of(split: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph:
+def split_graph_of(
+    split: fx.GraphModule,
+    splitting_ops: frozenset[str],
+    input_values: Sequence[object] | None = None,
+) -> SplitGraph:
     """The ``SplitGraph`` of an already split module: its pieces in call order, each piece
-    input that is a model input no kernel of the step writes marked (``mark_model_inputs``)."""
+    input that is a model input no kernel of the step writes marked (``mark_model_inputs``;
+    ``input_values`` as it takes them)."""
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     pieces = []
     for index, call in enumerate(calls):
         module = getattr(split, call.target)
         splitting = any(is_splitting_node(n, splitting_ops) for n in module.graph.nodes)
         pieces.append(Piece(index, call.target, module, splitting))
-    mark_model_inputs(split, calls)
+    mark_model_inputs(split, calls, input_values)
     return SplitGraph(split, pieces)
 
 
@@ -91,13 +97,21 @@ def split_graph_of(split: fx.GraphModule, splitting_ops: frozenset[str]) -> Spli
 MODEL_INPUT = "graphattn_model_input"
 
 
-def mark_model_inputs(split: fx.GraphModule, calls: list[fx.Node]) -> None:
+def mark_model_inputs(
+    split: fx.GraphModule, calls: list[fx.Node], input_values: Sequence[object] | None = None
+) -> None:
     """Set ``MODEL_INPUT`` on each piece placeholder whose argument is an input or attribute
-    of the split graph that no piece writes in place, nor lets a view of escape.
+    of the split graph that no piece writes in place, nor lets a view of escape, and that
+    shares no memory with an input some piece writes.
+
+    Which inputs share memory comes from the split graph's example values (Dynamo's), or,
+    for a graph without them (one restored from the trace cache), from ``input_values``:
+    the split graph's inputs in order, None for a step input or a size (the engine's own
+    buffers, never the model's memory).
 
     It fails closed: a value an earlier piece computes, an input some piece mutates (or
-    might, through a view it returns), and a piece whose call does not line up with its
-    placeholders get no mark.
+    might, through a view it returns), one whose memory is not known while some input is
+    written, and a piece whose call does not line up with its placeholders get no mark.
     """
     inputs = [(call, _piece_inputs(call, getattr(split, call.target))) for call in calls]
     written: set[fx.Node] = set()
@@ -105,12 +119,71 @@ def mark_model_inputs(split: fx.GraphModule, calls: list[fx.Node]) -> None:
         if not pairs:  # the piece's inputs unknown: every model input it takes may be written
             written.update(a for a in call.all_input_nodes if _is_model_input(a))
         written.update(a for a, node in pairs if _is_model_input(a) and _may_be_written(node))
+    model_inputs = {a for call in calls for a in call.all_input_nodes if _is_model_input(a)}
+    values = _values_by_input(split, input_values)
+    written |= _sharing_memory(split, model_inputs, written, values)
     for call, pairs in inputs:
         for node in getattr(split, call.target).graph.find_nodes(op="placeholder"):
             node.meta.pop(MODEL_INPUT, None)
         for arg, node in pairs:
             if _is_model_input(arg) and arg not in written:
                 node.meta[MODEL_INPUT] = True
+
+
+def _values_by_input(
+    split: fx.GraphModule, input_values: Sequence[object] | None
+) -> dict[fx.Node, object]:
+    placeholders = list(split.graph.find_nodes(op="placeholder"))
+    if input_values is None or len(input_values) != len(placeholders):
+        return {}
+    return dict(zip(placeholders, input_values))
+
+
+def _sharing_memory(
+    split: fx.GraphModule,
+    model_inputs: set[fx.Node],
+    written: set[fx.Node],
+    values: dict[fx.Node, object],
+) -> set[fx.Node]:
+    """The model inputs that may share memory with a written one: a buffer registered as a
+    view of a parameter is a second input over the parameter's storage. Two inputs alias
+    when their example values (Dynamo's fake tensors keep the real ones' aliasing) have one
+    storage; a tensor input whose storage is not known may alias any."""
+    if not written:
+        return set()
+    storages = {node: _storage_of(split, node, values) for node in model_inputs}
+    tensors = {node for node, storage in storages.items() if storage is not _NOT_A_TENSOR}
+    unknown = {node for node in tensors if storages[node] is _UNKNOWN}
+    if unknown & written:
+        return tensors
+    hit = {storages[node] for node in written & tensors}
+    return unknown | {node for node in tensors - unknown if storages[node] in hit}
+
+
+_UNKNOWN, _NOT_A_TENSOR = object(), object()
+
+
+def _storage_of(split: fx.GraphModule, node: fx.Node, values: dict[fx.Node, object]) -> object:
+    """A key equal for two tensors over one storage (``_UNKNOWN`` where the value is not
+    known, ``_NOT_A_TENSOR`` for a size or other scalar)."""
+    if node.op == "get_attr":
+        value = split
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+    elif node in values:
+        value = values[node]
+        if value is None:  # a step input or a size
+            return _NOT_A_TENSOR
+    else:
+        value = node.meta.get("example_value", node.meta.get("val"))
+    if value is None:
+        return _UNKNOWN
+    if not isinstance(value, torch.Tensor):
+        return _NOT_A_TENSOR
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except Exception:  # a tensor without a plain storage (a subclass): may alias any
+        return _UNKNOWN
 
 
 def _piece_inputs(call: fx.Node, module: fx.GraphModule) -> list[tuple[object, fx.Node]]:

@@ -323,7 +323,7 @@ def restore(
         sig["same_length"],
     )
     module = pickle.loads(entry.split)
-    return binding, signature, split_graph_of(module, splitting_ops)
+    return binding, signature, split_graph_of(module, splitting_ops, template)
 
 
 def same_graph(restored: SplitGraph, fresh: SplitGraph) -> bool:

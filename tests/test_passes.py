@@ -290,6 +290,67 @@ def test_a_buffer_written_in_any_form_is_no_weight(form):
     assert marks["l_model_buffers_buf_"] is False and marks["l_model_parameters_w_"] is True
 
 
+class WritesASharedBuffer(nn.Module):
+    """A buffer registered over a parameter's memory (``shadow``: ``w`` detached), written
+    in place before the toy attention; after it, linears by ``w`` and by ``u``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.embed = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen), requires_grad=False)
+        self.w = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen), requires_grad=False)
+        self.u = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen), requires_grad=False)
+        self.register_buffer("shadow", self.w.detach())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed[input_ids]
+        self.shadow.mul_(1.0)
+        q, k = x * 2, x + 1
+        out = torch.empty_like(q)
+        dep = torch.ops.graphattn_test.toy_cache_update(k, 0)
+        torch.ops.graphattn_test.toy_attention(q, k, out, dep, 0)
+        return out @ self.w + out @ self.u
+
+
+def test_a_parameter_sharing_memory_with_a_written_buffer_is_no_weight():
+    """A write through another input over the same memory is a write: ``w`` is unmarked
+    (its buffer twin is written), ``u`` marked. A graph without example values (as the trace
+    cache restores it) gets the same marks from the inputs' values, and none without them
+    (any input could share the written buffer's memory)."""
+    from graphattn.passes.split import MODEL_INPUT, split_graph_of
+
+    model = WritesASharedBuffer()
+    assert model.shadow.untyped_storage().data_ptr() == model.w.untyped_storage().data_ptr()
+    with torch.inference_mode():
+        trace = trace_model(model, *_inputs(8))
+    ops = resolve_splitting_ops(TOY_OPS)
+    split = split_graph(trace.graph_module, ops)
+
+    def marks(split):
+        nodes = split.pieces[-1].module.graph.nodes
+        return {n.name: bool(n.meta.get(MODEL_INPUT)) for n in nodes if n.op == "placeholder"}
+
+    assert marks(split)["l_model_parameters_w_"] is False
+    assert marks(split)["l_model_parameters_u_"] is True
+    fresh = marks(split)
+
+    placeholders = list(split.module.graph.find_nodes(op="placeholder"))
+    by_name = {
+        "l_model_parameters_embed_": model.embed,
+        "l_model_parameters_w_": model.w,
+        "l_model_parameters_u_": model.u,
+        "l_model_buffers_shadow_": model.shadow,
+    }
+    values = [by_name.get(n.name) for n in placeholders]  # None: the step's inputs and sizes
+    assert sum(v is not None for v in values) == 4, [n.name for n in placeholders]
+    for node in split.module.graph.nodes:
+        node.meta.pop("example_value", None)
+        node.meta.pop("val", None)
+    assert marks(split_graph_of(split.module, ops, values)) == fresh
+    blind = marks(split_graph_of(split.module, ops))
+    assert blind["l_model_parameters_w_"] is False and blind["l_model_parameters_u_"] is False
+
+
 @pytest.mark.parametrize(
     "ops, message",
     [
