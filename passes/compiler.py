@@ -194,7 +194,7 @@ def compile_model(
         logger.info("graphattn compile: traced %s in %.2f s", type(model).__name__, trace.seconds)
         if traces is not None:  # files and globals as traced, before a long compile
             sources = trace_sources(trace, model)
-        split = _split(trace.graph_module, ops, dump)
+        split = _split(trace.graph_module, ops, dump, trace.binding.template)
         if built is not None:
             built, note = _verified(built, split, note)
     if built is None:
@@ -254,7 +254,7 @@ def _retracer(
     def retrace(ids: torch.Tensor, pos: torch.Tensor) -> tuple[PiecewiseRuntime, torch.Tensor]:
         with _profile_context():  # attention reads and writes nothing
             again = trace_model(model, *_at_least_two_tokens(ids, pos))
-        split = split_graph(again.graph_module, ops)
+        split = split_graph(again.graph_module, ops, again.binding.template)
         rebuilt = PiecewiseRuntime(again.binding, again.signature, split, compiler)
         _wrap_pieces(rebuilt, piece_wrapper)
         return rebuilt, rebuilt(ids, pos)
@@ -312,10 +312,15 @@ def _profile_context() -> Iterator[None]:
         yield
 
 
-def _split(gm: torch.fx.GraphModule, ops: frozenset[str], dump: DebugDump | None) -> SplitGraph:
+def _split(
+    gm: torch.fx.GraphModule,
+    ops: frozenset[str],
+    dump: DebugDump | None,
+    input_values: list[object],
+) -> SplitGraph:
     if dump is not None:
         dump.write("graph_before_split.py", gm.print_readable(print_output=False))
-    split = split_graph(gm, ops)
+    split = split_graph(gm, ops, input_values)
     if dump is not None:
         dump.write("graph_after_split.py", _describe_split(split))
     compiled = len(split.compiled_pieces)

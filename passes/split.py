@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.split_module import split_module
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from graphattn.attention.ops import DEFAULT_SPLITTING_OPS
 from graphattn.errors import ConfigError
@@ -60,14 +62,19 @@ def resolve_splitting_ops(names: Sequence[str] | None) -> frozenset[str]:
     return frozenset(_check_op_name(name) for name in names)
 
 
-def split_graph(gm: fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph:
-    """Split ``gm`` (changed in place: sizes are localised) into pieces at ``splitting_ops``."""
+def split_graph(
+    gm: fx.GraphModule,
+    splitting_ops: frozenset[str],
+    input_values: Sequence[object] | None = None,
+) -> SplitGraph:
+    """Split ``gm`` (changed in place: sizes are localised) into pieces at ``splitting_ops``
+    (``input_values``: ``gm``'s inputs, as ``mark_model_inputs`` takes them)."""
     assignment = assign_pieces(gm.graph, splitting_ops)
     localise_symbolic_values(gm.graph, assignment)
     gm.recompile()
     split = split_module(gm, None, lambda node: assignment[node], keep_original_order=True)
     _return_tuples(split)
-    return split_graph_of(split, splitting_ops)
+    return split_graph_of(split, splitting_ops, input_values)
 
 
 def split_graph_of(
@@ -104,14 +111,17 @@ def mark_model_inputs(
     of the split graph that no piece writes in place, nor lets a view of escape, and that
     shares no memory with an input some piece writes.
 
-    Which inputs share memory comes from the split graph's example values (Dynamo's), or,
-    for a graph without them (one restored from the trace cache), from ``input_values``:
-    the split graph's inputs in order, None for a step input or a size (the engine's own
-    buffers, never the model's memory).
+    Which inputs share memory comes from ``input_values``, the split graph's inputs in
+    order as the step binds them (the model's own tensors; None for a step input or a size,
+    the engine's buffers, never the model's memory): two share memory where their storages'
+    address ranges on one device overlap, which also catches two storages over one memory
+    (two ``torch.from_numpy`` of one array). Without them (a bare split graph) Dynamo's
+    example values stand in, which can only tell one storage from another.
 
     It fails closed: a value an earlier piece computes, an input some piece mutates (or
     might, through a view it returns), one whose memory is not known while some input is
-    written, and a piece whose call does not line up with its placeholders get no mark.
+    written (a tensor subclass among them: its storage is not its memory), and a piece
+    whose call does not line up with its placeholders get no mark.
     """
     inputs = [(call, _piece_inputs(call, getattr(split, call.target))) for call in calls]
     written: set[fx.Node] = set()
@@ -133,9 +143,13 @@ def mark_model_inputs(
 def _values_by_input(
     split: fx.GraphModule, input_values: Sequence[object] | None
 ) -> dict[fx.Node, object]:
-    placeholders = list(split.graph.find_nodes(op="placeholder"))
-    if input_values is None or len(input_values) != len(placeholders):
+    if input_values is None:
         return {}
+    placeholders = list(split.graph.find_nodes(op="placeholder"))
+    if len(input_values) != len(placeholders):
+        raise ValueError(
+            f"{len(input_values)} input values for a split graph of {len(placeholders)} inputs"
+        )
     return dict(zip(placeholders, input_values))
 
 
@@ -145,27 +159,31 @@ def _sharing_memory(
     written: set[fx.Node],
     values: dict[fx.Node, object],
 ) -> set[fx.Node]:
-    """The model inputs that may share memory with a written one: a buffer registered as a
-    view of a parameter is a second input over the parameter's storage. Two inputs alias
-    when their example values (Dynamo's fake tensors keep the real ones' aliasing) have one
-    storage; a tensor input whose storage is not known may alias any."""
+    """The model inputs that may share memory with a written one (a buffer registered as a
+    view of a parameter is a second input over the parameter's memory); a tensor input
+    whose memory is not known may share any."""
     if not written:
         return set()
-    storages = {node: _storage_of(split, node, values) for node in model_inputs}
-    tensors = {node for node, storage in storages.items() if storage is not _NOT_A_TENSOR}
-    unknown = {node for node in tensors if storages[node] is _UNKNOWN}
+    memory = {node: _memory_of(split, node, values) for node in model_inputs}
+    tensors = {node for node, where in memory.items() if where is not _NOT_A_TENSOR}
+    unknown = {node for node in tensors if memory[node] is _UNKNOWN}
     if unknown & written:
         return tensors
-    hit = {storages[node] for node in written & tensors}
-    return unknown | {node for node in tensors - unknown if storages[node] in hit}
+    targets = [memory[node] for node in written & tensors]
+    return unknown | {
+        node
+        for node in tensors - unknown
+        if any(_overlap(memory[node], target) for target in targets)
+    }
 
 
 _UNKNOWN, _NOT_A_TENSOR = object(), object()
 
 
-def _storage_of(split: fx.GraphModule, node: fx.Node, values: dict[fx.Node, object]) -> object:
-    """A key equal for two tensors over one storage (``_UNKNOWN`` where the value is not
-    known, ``_NOT_A_TENSOR`` for a size or other scalar)."""
+def _memory_of(split: fx.GraphModule, node: fx.Node, values: dict[fx.Node, object]) -> object:
+    """Where an input's memory lies: ``("range", device, start, end)`` of a real tensor's
+    storage, ``("storage", ref)`` of a fake one (Dynamo's example value), ``_UNKNOWN``
+    where that cannot be told, ``_NOT_A_TENSOR`` for a size or other scalar."""
     if node.op == "get_attr":
         value = split
         for part in str(node.target).split("."):
@@ -180,10 +198,28 @@ def _storage_of(split: fx.GraphModule, node: fx.Node, values: dict[fx.Node, obje
         return _UNKNOWN
     if not isinstance(value, torch.Tensor):
         return _NOT_A_TENSOR
-    try:
-        return StorageWeakRef(value.untyped_storage())
-    except Exception:  # a tensor without a plain storage (a subclass): may alias any
+    if is_traceable_wrapper_subclass(value):  # its storage is a stand-in for its tensors'
         return _UNKNOWN
+    try:
+        storage = value.untyped_storage()
+        if isinstance(value, FakeTensor):
+            return ("storage", StorageWeakRef(storage))
+        if type(value) not in (torch.Tensor, nn.Parameter) or value.layout != torch.strided:
+            return _UNKNOWN
+        start = storage.data_ptr()
+        return ("range", value.device, start, start + storage.nbytes())
+    except Exception:  # no plain storage (sparse, mkldnn): may share any
+        return _UNKNOWN
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether two ``_memory_of`` places may be the same memory (a fake one and a real one
+    cannot be told apart: they may)."""
+    if a[0] != b[0]:
+        return True
+    if a[0] == "storage":
+        return a[1] == b[1]
+    return a[1] == b[1] and a[2] < b[3] and b[2] < a[3]
 
 
 def _piece_inputs(call: fx.Node, module: fx.GraphModule) -> list[tuple[object, fx.Node]]:

@@ -291,16 +291,17 @@ def test_a_buffer_written_in_any_form_is_no_weight(form):
 
 
 class WritesASharedBuffer(nn.Module):
-    """A buffer registered over a parameter's memory (``shadow``: ``w`` detached), written
+    """A buffer over a parameter's memory (``shadow``, made from ``w`` by ``share``), written
     in place before the toy attention; after it, linears by ``w`` and by ``u``."""
 
-    def __init__(self) -> None:
+    def __init__(self, share) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         self.embed = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen), requires_grad=False)
         self.w = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen), requires_grad=False)
         self.u = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen), requires_grad=False)
-        self.register_buffer("shadow", self.w.detach())
+        self.w, shadow = share(self.w)
+        self.register_buffer("shadow", shadow)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed[input_ids]
@@ -312,43 +313,73 @@ class WritesASharedBuffer(nn.Module):
         return out @ self.w + out @ self.u
 
 
-def test_a_parameter_sharing_memory_with_a_written_buffer_is_no_weight():
+def _from_one_array(w):
+    """Two tensors over one numpy array: two storages, one memory."""
+    array = w.detach().numpy().copy()
+    return nn.Parameter(torch.from_numpy(array), requires_grad=False), torch.from_numpy(array)
+
+
+SHARES = {
+    "detached": lambda w: (w, w.detach()),
+    "a row slice further on": lambda w: (w, w.detach()[HIDDEN // 2 :]),
+    "one numpy array": _from_one_array,
+}
+
+
+@pytest.mark.parametrize("share", sorted(SHARES))
+def test_a_parameter_sharing_memory_with_a_written_buffer_is_no_weight(share):
     """A write through another input over the same memory is a write: ``w`` is unmarked
-    (its buffer twin is written), ``u`` marked. A graph without example values (as the trace
-    cache restores it) gets the same marks from the inputs' values, and none without them
-    (any input could share the written buffer's memory)."""
+    (its buffer twin is written), ``u`` marked. The marks come from the step's own input
+    tensors (the trace's binding), as the compiler and the trace cache's restore hand them
+    over; a graph without them or example values marks no tensor input (any could share the
+    written buffer's memory)."""
     from graphattn.passes.split import MODEL_INPUT, split_graph_of
 
-    model = WritesASharedBuffer()
-    assert model.shadow.untyped_storage().data_ptr() == model.w.untyped_storage().data_ptr()
+    model = WritesASharedBuffer(SHARES[share])
+    w, shadow = model.w.untyped_storage(), model.shadow.untyped_storage()
+    assert (w.data_ptr(), w.nbytes()) == (shadow.data_ptr(), shadow.nbytes())
     with torch.inference_mode():
         trace = trace_model(model, *_inputs(8))
     ops = resolve_splitting_ops(TOY_OPS)
-    split = split_graph(trace.graph_module, ops)
+    template = trace.binding.template
+    assert sum(isinstance(v, torch.Tensor) for v in template) == 4  # embed, w, u, shadow
+    split = split_graph(trace.graph_module, ops, template)
 
     def marks(split):
         nodes = split.pieces[-1].module.graph.nodes
         return {n.name: bool(n.meta.get(MODEL_INPUT)) for n in nodes if n.op == "placeholder"}
 
-    assert marks(split)["l_model_parameters_w_"] is False
-    assert marks(split)["l_model_parameters_u_"] is True
     fresh = marks(split)
-
-    placeholders = list(split.module.graph.find_nodes(op="placeholder"))
-    by_name = {
-        "l_model_parameters_embed_": model.embed,
-        "l_model_parameters_w_": model.w,
-        "l_model_parameters_u_": model.u,
-        "l_model_buffers_shadow_": model.shadow,
-    }
-    values = [by_name.get(n.name) for n in placeholders]  # None: the step's inputs and sizes
-    assert sum(v is not None for v in values) == 4, [n.name for n in placeholders]
-    for node in split.module.graph.nodes:
+    assert fresh["l_model_parameters_w_"] is False
+    assert fresh["l_model_parameters_u_"] is True
+    for node in split.module.graph.nodes:  # as the trace cache restores a graph
         node.meta.pop("example_value", None)
         node.meta.pop("val", None)
-    assert marks(split_graph_of(split.module, ops, values)) == fresh
+    assert marks(split_graph_of(split.module, ops, template)) == fresh
     blind = marks(split_graph_of(split.module, ops))
     assert blind["l_model_parameters_w_"] is False and blind["l_model_parameters_u_"] is False
+    with pytest.raises(ValueError, match="input values for a split graph of"):
+        split_graph_of(split.module, ops, template[:-1])
+
+
+def test_where_an_input_lies_in_memory():
+    """``_memory_of`` and ``_overlap``: a wrapper subclass's storage is a stand-in, not its
+    memory, so it is unknown (it may share a written input's); a step input or size (None)
+    and a scalar are no tensors; a view further into a tensor overlaps it, another tensor
+    does not."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from graphattn.passes.split import _NOT_A_TENSOR, _UNKNOWN, _memory_of, _overlap
+
+    plain = torch.zeros(4)
+    node = torch.fx.Graph().placeholder("x")
+    assert _memory_of(None, node, {node: TwoTensor(plain, plain.clone())}) is _UNKNOWN
+    assert _memory_of(None, node, {node: None}) is _NOT_A_TENSOR
+    assert _memory_of(None, node, {node: 3}) is _NOT_A_TENSOR
+    a = _memory_of(None, node, {node: plain})
+    b = _memory_of(None, node, {node: plain[2:]})
+    c = _memory_of(None, node, {node: torch.zeros(4)})
+    assert _overlap(a, b) and not _overlap(a, c)
 
 
 @pytest.mark.parametrize(
