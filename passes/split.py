@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.split_module import split_module
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -178,6 +178,7 @@ def _sharing_memory(
 
 
 _UNKNOWN, _NOT_A_TENSOR = object(), object()
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
 def _memory_of(split: fx.GraphModule, node: fx.Node, values: dict[fx.Node, object]) -> object:
@@ -204,7 +205,9 @@ def _memory_of(split: fx.GraphModule, node: fx.Node, values: dict[fx.Node, objec
         storage = value.untyped_storage()
         if isinstance(value, FakeTensor):
             return ("storage", StorageWeakRef(storage))
-        if type(value) not in (torch.Tensor, nn.Parameter) or value.layout != torch.strided:
+        # a subclass with a dispatch of its own may keep its memory elsewhere (a plain
+        # subclass of Parameter does not)
+        if type(value).__torch_dispatch__ is not _NO_DISPATCH or value.layout != torch.strided:
             return _UNKNOWN
         start = storage.data_ptr()
         return ("range", value.device, start, start + storage.nbytes())

@@ -366,7 +366,7 @@ def test_where_an_input_lies_in_memory():
     """``_memory_of`` and ``_overlap``: a wrapper subclass's storage is a stand-in, not its
     memory, so it is unknown (it may share a written input's); a step input or size (None)
     and a scalar are no tensors; a view further into a tensor overlaps it, another tensor
-    does not."""
+    does not; a plain subclass of Parameter is told by its memory like a Parameter."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     from graphattn.passes.split import _NOT_A_TENSOR, _UNKNOWN, _memory_of, _overlap
@@ -380,6 +380,12 @@ def test_where_an_input_lies_in_memory():
     b = _memory_of(None, node, {node: plain[2:]})
     c = _memory_of(None, node, {node: torch.zeros(4)})
     assert _overlap(a, b) and not _overlap(a, c)
+
+    class OwnParameter(nn.Parameter):  # a plain subclass: its memory is its storage
+        pass
+
+    d = _memory_of(None, node, {node: OwnParameter(plain[1:], requires_grad=False)})
+    assert d is not _UNKNOWN and _overlap(a, d)
 
 
 @pytest.mark.parametrize(
