@@ -104,6 +104,9 @@ class CompileInfo:
     debug_dump_dir: str = ""
     # graphattn's Triton kernels compiled on a pool before the start-up runs (_dry_run)
     kernel_precompile: dict[str, Any] = field(default_factory=dict)
+    # the model's tensors no GEMV may take for a weight (a kernel of the step may write
+    # them), by the traced graph's input name, and why; their linears stay on cuBLAS
+    not_weights: dict[str, str] = field(default_factory=dict)
 
 
 class CompiledForward:
@@ -577,6 +580,7 @@ def _info(options, split, compiler, cache, passes, dump, sizes) -> CompileInfo:
         backend=options.compile_backend,
         passes=passes.names if options.compile_backend == "inductor" else [],
         debug_dump_dir=dump.dir if dump is not None else "",
+        not_weights=dict(split.not_weights),
     )
 
 

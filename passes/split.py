@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -45,6 +45,9 @@ class SplitGraph:
 
     module: fx.GraphModule
     pieces: list[Piece]
+    # the tensor inputs of the split graph (by name) that no GEMV may take for its weight,
+    # and why (``mark_model_inputs``); the report shows them
+    not_weights: dict[str, str] = field(default_factory=dict)
 
     @property
     def compiled_pieces(self) -> list[Piece]:
@@ -91,8 +94,9 @@ def split_graph_of(
         module = getattr(split, call.target)
         splitting = any(is_splitting_node(n, splitting_ops) for n in module.graph.nodes)
         pieces.append(Piece(index, call.target, module, splitting))
-    mark_model_inputs(split, calls, input_values)
-    return SplitGraph(split, pieces)
+    splitting = {p.name for p in pieces if p.is_splitting}
+    not_weights = mark_model_inputs(split, calls, input_values, splitting)
+    return SplitGraph(split, pieces, not_weights)
 
 
 # node.meta key of a piece's placeholder that is an input of the whole model which no kernel
@@ -105,8 +109,11 @@ MODEL_INPUT = "graphattn_model_input"
 
 
 def mark_model_inputs(
-    split: fx.GraphModule, calls: list[fx.Node], input_values: Sequence[object] | None = None
-) -> None:
+    split: fx.GraphModule,
+    calls: list[fx.Node],
+    input_values: Sequence[object] | None = None,
+    splitting: frozenset[str] | set[str] = frozenset(),
+) -> dict[str, str]:
     """Set ``MODEL_INPUT`` on each piece placeholder whose argument is an input or attribute
     of the split graph that no piece writes in place, nor lets a view of escape, and that
     shares no memory with an input some piece writes.
@@ -122,22 +129,40 @@ def mark_model_inputs(
     might, through a view it returns), one whose memory is not known while some input is
     written (a tensor subclass among them: its storage is not its memory), and a piece
     whose call does not line up with its placeholders get no mark.
+
+    Returns the unmarked tensor inputs of the split graph by name, each with why
+    (``splitting``: the names of the pieces of splitting ops, for the reasons' wording).
     """
     inputs = [(call, _piece_inputs(call, getattr(split, call.target))) for call in calls]
-    written: set[fx.Node] = set()
+    written: dict[fx.Node, str] = {}  # input -> why it may be written
     for call, pairs in inputs:
         if not pairs:  # the piece's inputs unknown: every model input it takes may be written
-            written.update(a for a in call.all_input_nodes if _is_model_input(a))
-        written.update(a for a, node in pairs if _is_model_input(a) and _may_be_written(node))
+            why = f"{call.target}'s call does not line up with its inputs"
+            for arg in call.all_input_nodes:
+                if _is_model_input(arg):
+                    written.setdefault(arg, why)
+        for arg, node in pairs:
+            how = _may_be_written(node) if _is_model_input(arg) else ""
+            if how:
+                written.setdefault(arg, _written_by(str(call.target), how, splitting))
     model_inputs = {a for call in calls for a in call.all_input_nodes if _is_model_input(a)}
     values = _values_by_input(split, input_values)
-    written |= _sharing_memory(split, model_inputs, written, values)
+    memory = {node: _memory_of(split, node, values) for node in model_inputs}
+    for node, why in _sharing_memory(memory, written).items():
+        written.setdefault(node, why)
     for call, pairs in inputs:
         for node in getattr(split, call.target).graph.find_nodes(op="placeholder"):
             node.meta.pop(MODEL_INPUT, None)
         for arg, node in pairs:
             if _is_model_input(arg) and arg not in written:
                 node.meta[MODEL_INPUT] = True
+    return {node.name: why for node, why in written.items() if memory[node] is not _NOT_A_TENSOR}
+
+
+def _written_by(piece: str, how: str, splitting: frozenset[str] | set[str]) -> str:
+    if piece in splitting:
+        return f"handed to the splitting ops of {piece}, which {how}"
+    return f"{piece} {how}"
 
 
 def _values_by_input(
@@ -153,28 +178,28 @@ def _values_by_input(
     return dict(zip(placeholders, input_values))
 
 
-def _sharing_memory(
-    split: fx.GraphModule,
-    model_inputs: set[fx.Node],
-    written: set[fx.Node],
-    values: dict[fx.Node, object],
-) -> set[fx.Node]:
+def _sharing_memory(memory: dict[fx.Node, object], written: dict[fx.Node, str]) -> dict:
     """The model inputs that may share memory with a written one (a buffer registered as a
-    view of a parameter is a second input over the parameter's memory); a tensor input
-    whose memory is not known may share any."""
-    if not written:
-        return set()
-    memory = {node: _memory_of(split, node, values) for node in model_inputs}
+    view of a parameter is a second input over the parameter's memory), each with why; a
+    tensor input whose memory is not known may share any."""
     tensors = {node for node, where in memory.items() if where is not _NOT_A_TENSOR}
+    targets = [node for node in written if node in tensors]
+    if not targets:
+        return {}
     unknown = {node for node in tensors if memory[node] is _UNKNOWN}
-    if unknown & written:
-        return tensors
-    targets = [memory[node] for node in written & tensors]
-    return unknown | {
-        node
-        for node in tensors - unknown
-        if any(_overlap(memory[node], target) for target in targets)
+    if unknown & set(targets):
+        blind = min(unknown & set(targets), key=lambda n: n.name)
+        why = f"{blind.name}, which may be written, could share its memory (not known)"
+        return {node: why for node in tensors}
+    shared = {
+        node: f"its memory is not known while {targets[0].name} may be written" for node in unknown
     }
+    for node in sorted(tensors - unknown, key=lambda n: n.name):
+        for target in targets:
+            if target is not node and _overlap(memory[node], memory[target]):
+                shared[node] = f"shares memory with {target.name}, which may be written"
+                break
+    return shared
 
 
 _UNKNOWN, _NOT_A_TENSOR = object(), object()
@@ -309,18 +334,21 @@ _VIEW_NAMES = frozenset(
 )
 
 
-def _may_be_written(placeholder: fx.Node) -> bool:
-    """Whether the piece writes ``placeholder`` in place, through itself or a view of it, or
-    returns a view of it (another piece could write that), or hands it to a higher-order op."""
+def _may_be_written(placeholder: fx.Node) -> str:
+    """How the piece may write ``placeholder`` ("" where it does not): in place, through
+    itself or a view of it (a higher-order op it is handed to counts), or by returning a view
+    of it (another piece could write that)."""
     aliases, pending = {placeholder}, [placeholder]
     while pending:
         for user in pending.pop().users:
-            if user.op == "output" or _writes(user, aliases):
-                return True
+            if user.op == "output":
+                return "lets it or a view of it leave the piece"
+            if _writes(user, aliases):
+                return f"may write it ({_name(user) or user.target})"
             if user not in aliases and _is_view(user):
                 aliases.add(user)
                 pending.append(user)
-    return False
+    return ""
 
 
 def _name(node: fx.Node) -> str:

@@ -148,6 +148,14 @@ def test_a_second_engine_takes_its_trace_from_the_trace_cache(cpu_engines):
     # values: which inputs share memory comes from the model's tensors)
     assert _model_input_marks(second) == _model_input_marks(compiled)
     assert sum(len(marked) for marked in _model_input_marks(second)) > 0
+    # and the report says the same: the rotary table (gathered by position, which the rule
+    # takes for a view leaving its piece) is the one model tensor no GEMV may take
+    for engine in (compiled, second):
+        assert engine.report.compile["not_weights"] == {
+            "l_model_modules_rotary_emb_buffers_cos_sin_cache_": (
+                "submod_0 lets it or a view of it leave the piece"
+            )
+        }
     seqs = make_seqs(np.random.default_rng(2), [(0, 9), (20, 1), (7, 3)], VOCAB, BLOCK, 64)
     assert rel_err(run_with_prefixes(second, seqs), run_with_prefixes(ref, seqs)) < 1e-5
 

@@ -258,6 +258,11 @@ def test_only_model_inputs_no_piece_writes_are_marked_as_weights():
         "l_model_buffers_buf_": False,
         "vt": False,  # computed in the first piece
     }
+    # computed values are not model inputs; the report names the two model inputs and why
+    assert split.not_weights == {
+        "l_model_buffers_buf_": "submod_0 may write it (mul_)",
+        "l_model_parameters_v_": "submod_0 lets it or a view of it leave the piece",
+    }
 
 
 WRITES = {
@@ -352,6 +357,11 @@ def test_a_parameter_sharing_memory_with_a_written_buffer_is_no_weight(share):
     fresh = marks(split)
     assert fresh["l_model_parameters_w_"] is False
     assert fresh["l_model_parameters_u_"] is True
+    # what the report shows: the two inputs no GEMV may take, and why
+    assert split.not_weights == {
+        "l_model_buffers_shadow_": "submod_0 may write it (mul_)",
+        "l_model_parameters_w_": "shares memory with l_model_buffers_shadow_, which may be written",
+    }
     for node in split.module.graph.nodes:  # as the trace cache restores a graph
         node.meta.pop("example_value", None)
         node.meta.pop("val", None)
