@@ -178,7 +178,9 @@ def _values_by_input(
     return dict(zip(placeholders, input_values))
 
 
-def _sharing_memory(memory: dict[fx.Node, object], written: dict[fx.Node, str]) -> dict:
+def _sharing_memory(
+    memory: dict[fx.Node, object], written: dict[fx.Node, str]
+) -> dict[fx.Node, str]:
     """The model inputs that may share memory with a written one (a buffer registered as a
     view of a parameter is a second input over the parameter's memory), each with why; a
     tensor input whose memory is not known may share any."""
