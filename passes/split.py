@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -94,8 +95,8 @@ def split_graph_of(
         module = getattr(split, call.target)
         splitting = any(is_splitting_node(n, splitting_ops) for n in module.graph.nodes)
         pieces.append(Piece(index, call.target, module, splitting))
-    splitting = {p.name for p in pieces if p.is_splitting}
-    not_weights = mark_model_inputs(split, calls, input_values, splitting)
+    splitting_pieces = {p.name for p in pieces if p.is_splitting}
+    not_weights = mark_model_inputs(split, calls, input_values, splitting_pieces)
     return SplitGraph(split, pieces, not_weights)
 
 
@@ -112,7 +113,7 @@ def mark_model_inputs(
     split: fx.GraphModule,
     calls: list[fx.Node],
     input_values: Sequence[object] | None = None,
-    splitting: frozenset[str] | set[str] = frozenset(),
+    splitting: AbstractSet[str] = frozenset(),
 ) -> dict[str, str]:
     """Set ``MODEL_INPUT`` on each piece placeholder whose argument is an input or attribute
     of the split graph that no piece writes in place, nor lets a view of escape, and that
@@ -159,7 +160,7 @@ def mark_model_inputs(
     return {node.name: why for node, why in written.items() if memory[node] is not _NOT_A_TENSOR}
 
 
-def _written_by(piece: str, how: str, splitting: frozenset[str] | set[str]) -> str:
+def _written_by(piece: str, how: str, splitting: AbstractSet[str]) -> str:
     if piece in splitting:
         return f"handed to the splitting ops of {piece}, which {how}"
     return f"{piece} {how}"
@@ -189,8 +190,8 @@ def _sharing_memory(
     if not targets:
         return {}
     unknown = {node for node in tensors if memory[node] is _UNKNOWN}
-    if unknown & set(targets):
-        blind = min(unknown & set(targets), key=lambda n: n.name)
+    if blind := unknown.intersection(targets):
+        blind = min(blind, key=lambda n: n.name)
         why = f"{blind.name}, which may be written, could share its memory (not known)"
         return {node: why for node in tensors}
     shared = {

@@ -233,25 +233,19 @@ def test_only_model_inputs_no_piece_writes_are_marked_as_weights():
     parameter no piece writes is marked in every piece; a buffer written in place in an
     earlier piece, a parameter whose view leaves its piece (another could write through
     it), and values earlier pieces compute (the attention output, the view) are not."""
-    from graphattn.passes.split import MODEL_INPUT
-
     with torch.inference_mode():
         trace = trace_model(WritesItsInputs(), *_inputs(8))
     split = split_graph(trace.graph_module, resolve_splitting_ops(TOY_OPS))
     first, _, last = split.pieces
 
-    def marks(piece):
-        nodes = piece.module.graph.nodes
-        return {n.name: bool(n.meta.get(MODEL_INPUT)) for n in nodes if n.op == "placeholder"}
-
-    tensors = {k: v for k, v in marks(first).items() if not k.startswith("s")}
+    tensors = {k: v for k, v in _marks(first).items() if not k.startswith("s")}
     assert tensors == {
         "l_model_parameters_embed_": True,
         "l_input_ids_": True,  # 1-D integers: never a weight
         "l_model_buffers_buf_": False,  # written in place here
         "l_model_parameters_v_": False,  # its view leaves the piece
     }
-    tensors = {k: v for k, v in marks(last).items() if not k.startswith("s")}
+    tensors = {k: v for k, v in _marks(last).items() if not k.startswith("s")}
     assert tensors == {
         "out": False,  # the attention's output
         "l_model_parameters_w_": True,
@@ -263,6 +257,14 @@ def test_only_model_inputs_no_piece_writes_are_marked_as_weights():
         "l_model_buffers_buf_": "submod_0 may write it (mul_)",
         "l_model_parameters_v_": "submod_0 lets it or a view of it leave the piece",
     }
+
+
+def _marks(piece) -> dict[str, bool]:
+    """Each placeholder of ``piece`` by name: whether it carries ``split.MODEL_INPUT``."""
+    from graphattn.passes.split import MODEL_INPUT
+
+    nodes = piece.module.graph.find_nodes(op="placeholder")
+    return {n.name: bool(n.meta.get(MODEL_INPUT)) for n in nodes}
 
 
 WRITES = {
@@ -280,18 +282,11 @@ WRITES = {
 def test_a_buffer_written_in_any_form_is_no_weight(form):
     """Each way Dynamo records a write of a buffer before the attention leaves the buffer
     unmarked in the piece after it (a GEMV would read it early), its neighbours marked."""
-    from graphattn.passes.split import MODEL_INPUT
-
     model = WritesItsInputs()
     model.write = WRITES[form]
     with torch.inference_mode():
         trace = trace_model(model, *_inputs(8))
-    last = split_graph(trace.graph_module, resolve_splitting_ops(TOY_OPS)).pieces[-1]
-    marks = {
-        n.name: bool(n.meta.get(MODEL_INPUT))
-        for n in last.module.graph.nodes
-        if n.op == "placeholder"
-    }
+    marks = _marks(split_graph(trace.graph_module, resolve_splitting_ops(TOY_OPS)).pieces[-1])
     assert marks["l_model_buffers_buf_"] is False and marks["l_model_parameters_w_"] is True
 
 
@@ -338,7 +333,7 @@ def test_a_parameter_sharing_memory_with_a_written_buffer_is_no_weight(share):
     tensors (the trace's binding), as the compiler and the trace cache's restore hand them
     over; a graph without them or example values marks no tensor input (any could share the
     written buffer's memory)."""
-    from graphattn.passes.split import MODEL_INPUT, split_graph_of
+    from graphattn.passes.split import split_graph_of
 
     model = WritesASharedBuffer(SHARES[share])
     w, shadow = model.w.untyped_storage(), model.shadow.untyped_storage()
@@ -351,8 +346,7 @@ def test_a_parameter_sharing_memory_with_a_written_buffer_is_no_weight(share):
     split = split_graph(trace.graph_module, ops, template)
 
     def marks(split):
-        nodes = split.pieces[-1].module.graph.nodes
-        return {n.name: bool(n.meta.get(MODEL_INPUT)) for n in nodes if n.op == "placeholder"}
+        return _marks(split.pieces[-1])
 
     fresh = marks(split)
     assert fresh["l_model_parameters_w_"] is False
