@@ -375,6 +375,28 @@ def test_nothing_is_downloaded_and_only_safetensors_are_read(tmp_path):
         load(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("config.json", "{not json", "config.json is not valid JSON"),
+        ("config.json", "[1, 2]", "config.json must hold a JSON object, got list"),
+        ("model.safetensors.index.json", "{", "index.json is not valid JSON"),
+        ("model.safetensors.index.json", "[]", "'weight_map' maps tensor names .* got a list"),
+        ("model.safetensors.index.json", "{}", "got an object without 'weight_map'"),
+        ("model.safetensors.index.json", '{"weight_map": []}', "'weight_map' that is a list"),
+        ("model.safetensors.index.json", '{"weight_map": {"w": 3}}', "got 'w' mapped to 3"),
+    ],
+)
+def test_a_malformed_json_file_is_a_typed_error(tmp_path, name, text, match):
+    """config.json and the shard index: bad JSON, or JSON of the wrong shape, is a
+    ModelLoadError naming the file (not a JSONDecodeError or an AttributeError)."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ModelLoadError, match=match) as e:
+        load(tmp_path)
+    assert isinstance(e.value, ga.GraphAttnError) and isinstance(e.value, ValueError)
+
+
 def test_graphattn_imports_without_transformers_or_safetensors(zoo):
     """The hf extra is optional: importing works, reading a folder says what to install."""
     code = (

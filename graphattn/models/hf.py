@@ -148,10 +148,30 @@ def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{folder} has no config.json; expected a Hugging Face checkpoint")
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+
+
+def _shape_of(data: Any) -> str:
+    """What a JSON value is, for an error: its type, and an object's weight_map's type."""
+    if not isinstance(data, dict):
+        return f"a {type(data).__name__}"
+    if "weight_map" not in data:
+        return "an object without 'weight_map'"
+    weight_map = data["weight_map"]
+    if not isinstance(weight_map, dict):
+        return f"a 'weight_map' that is a {type(weight_map).__name__}"
+    bad = next(k for k, v in weight_map.items() if not isinstance(v, str))
+    return f"{bad!r} mapped to {weight_map[bad]!r}"
 
 
 def _architecture(config: dict[str, Any], folder: Path) -> str:
@@ -168,7 +188,15 @@ def _safetensors_files(folder: Path) -> list[Path]:
     """The shards named by ``model.safetensors.index.json``, else ``model.safetensors``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ModelLoadError(
+                f"{index} must hold a JSON object whose 'weight_map' maps tensor names to "
+                f"shard file names, got {_shape_of(data)}"
+            )
         files = [folder / name for name in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
