@@ -380,6 +380,7 @@ def test_nothing_is_downloaded_and_only_safetensors_are_read(tmp_path):
     [
         ("config.json", "{not json", "config.json is not valid JSON"),
         ("config.json", "[1, 2]", "config.json must hold a JSON object, got list"),
+        ("config.json", b"\xff\xff\xff{", "config.json is not valid JSON"),  # not UTF-8
         ("model.safetensors.index.json", "{", "index.json is not valid JSON"),
         ("model.safetensors.index.json", "[]", "'weight_map' maps tensor names .* got a list"),
         ("model.safetensors.index.json", "{}", "got an object without 'weight_map'"),
@@ -391,7 +392,10 @@ def test_a_malformed_json_file_is_a_typed_error(tmp_path, name, text, match):
     """config.json and the shard index: bad JSON, or JSON of the wrong shape, is a
     ModelLoadError naming the file (not a JSONDecodeError or an AttributeError)."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (tmp_path / name).write_text(text)
+    if isinstance(text, bytes):
+        (tmp_path / name).write_bytes(text)
+    else:
+        (tmp_path / name).write_text(text)
     with pytest.raises(ModelLoadError, match=match) as e:
         load(tmp_path)
     assert isinstance(e.value, ga.GraphAttnError) and isinstance(e.value, ValueError)
