@@ -161,19 +161,6 @@ def _read_json(path: Path) -> Any:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
 
 
-def _shape_of(data: Any) -> str:
-    """What a JSON value is, for an error: its type, and an object's weight_map's type."""
-    if not isinstance(data, dict):
-        return f"a {type(data).__name__}"
-    if "weight_map" not in data:
-        return "an object without 'weight_map'"
-    weight_map = data["weight_map"]
-    if not isinstance(weight_map, dict):
-        return f"a 'weight_map' that is a {type(weight_map).__name__}"
-    bad = next(k for k, v in weight_map.items() if not isinstance(v, str))
-    return f"{bad!r} mapped to {weight_map[bad]!r}"
-
-
 def _architecture(config: dict[str, Any], folder: Path) -> str:
     names = config.get("architectures") or []
     if len(names) != 1:
@@ -184,19 +171,30 @@ def _architecture(config: dict[str, Any], folder: Path) -> str:
     return names[0]
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file name), or what is wrong with it."""
+    data = _read_json(index)
+    if not isinstance(data, dict):
+        got = f"a {type(data).__name__}"
+    elif "weight_map" not in data:
+        got = "an object without 'weight_map'"
+    elif not isinstance(weight_map := data["weight_map"], dict):
+        got = f"a 'weight_map' that is a {type(weight_map).__name__}"
+    elif bad := [k for k, v in weight_map.items() if not isinstance(v, str)]:
+        got = f"{bad[0]!r} mapped to {weight_map[bad[0]]!r}"
+    else:
+        return weight_map
+    raise ModelLoadError(
+        f"{index} must hold a JSON object whose 'weight_map' maps tensor names to shard file "
+        f"names, got {got}"
+    )
+
+
 def _safetensors_files(folder: Path) -> list[Path]:
     """The shards named by ``model.safetensors.index.json``, else ``model.safetensors``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        data = _read_json(index)
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) for v in weight_map.values()
-        ):
-            raise ModelLoadError(
-                f"{index} must hold a JSON object whose 'weight_map' maps tensor names to "
-                f"shard file names, got {_shape_of(data)}"
-            )
+        weight_map = _weight_map(index)
         files = [folder / name for name in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
