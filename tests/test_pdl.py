@@ -22,6 +22,7 @@ import triton.language as tl
 from helpers import compiled_without_interpreter
 
 from graphattn.envs import triton_interpret
+from graphattn.kernels import argmax as argmax_module
 from graphattn.kernels import gemv as gemv_module
 from graphattn.kernels import pdl
 from graphattn.kernels import prefetch as prefetch_module
@@ -450,8 +451,9 @@ def _pdl_kernels() -> set[str]:
 
 def test_pdl_kernels_read_before_the_wait_only_what_no_earlier_kernel_writes():
     """Every kernel launched with PDL, on each of its paths: the GEMVs read their first weight
-    tile before the wait, decode attention its metadata; a mixed batch's attention and the
-    split-KV reduction read nothing before it; hints are allowed everywhere."""
+    tile before the wait, decode attention its metadata; a mixed batch's attention, the
+    split-KV reduction and the argmax's two passes read nothing before it; hints are allowed
+    everywhere."""
     attention = attention_module._attention_kernel
     cases = [
         (gemv_module._gemv_kernel, {"PDL": True}, GEMV_EARLY),
@@ -459,6 +461,8 @@ def test_pdl_kernels_read_before_the_wait_only_what_no_earlier_kernel_writes():
         (attention, {"PDL": True, "WRITE_KV": True}, DECODE_ATTENTION_EARLY),
         (attention, {"PDL": True, "WRITE_KV": False}, set()),
         (split_kv_module._reduce_kernel, {"PDL": True}, set()),
+        (argmax_module._chunk_argmax_kernel, {"PDL": True}, set()),
+        (argmax_module._row_argmax_kernel, {"PDL": True}, set()),
     ]
     checked = set()
     for kernel, constants, early in cases:
@@ -618,6 +622,53 @@ def test_gemv_kernels_compile_for_hopper_with_pdl():
     for r in results:
         assert r["wait"] and r["signal"], r
         assert r["prefetch"] is (True if r["wants_prefetch"] else None), r
+
+
+def compile_argmax_for_hopper() -> list[dict]:
+    """Compile the argmax's two passes as launched with PDL on an sm_90 GPU, without one.
+    Runs in a process without TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from graphattn.kernels import argmax
+
+    launches = {
+        "chunk pass": (argmax._chunk_argmax_kernel, dict(BLOCK=2048, PDL=True), "*bf16"),
+        "row pass": (argmax._row_argmax_kernel, dict(BLOCK_C=64, PDL=True), None),
+    }
+    pointers = {"val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i8", "out_ptr": "*i64"}
+    results = []
+    for label, (kernel, consts, x_type) in launches.items():
+        sig = {}
+        for name in kernel.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name == "x_ptr":
+                sig[name] = x_type
+            else:
+                sig[name] = pointers.get(name, "i32")
+        ptx = triton.compile(
+            ASTSource(kernel, sig, consts),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4},
+        ).asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        signal = ptx.find("griddepcontrol.launch_dependents")
+        first_load = ptx.find("ld.global")
+        results.append(
+            dict(case=label, wait=wait, signal=signal, first_load=first_load, loads=first_load >= 0)
+        )
+    return results
+
+
+def test_argmax_passes_compile_for_hopper_with_pdl():
+    """Each pass signals, then waits, and loads nothing from global memory before the wait."""
+    results = compiled_without_interpreter("test_pdl", "compile_argmax_for_hopper")
+    assert [r["case"] for r in results] == ["chunk pass", "row pass"]
+    for r in results:
+        assert 0 <= r["signal"] < r["wait"], r
+        assert r["loads"] and r["first_load"] > r["wait"], r
 
 
 @pytest.mark.gpu

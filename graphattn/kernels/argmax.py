@@ -13,6 +13,10 @@ that: 27 us at B = 1 on an H200), so each row is cut into ``block`` wide chunks:
 Taking the first index within a chunk and then the first chunk is the first index in the
 row. NaN is carried as a flag beside the value: a chunk with a NaN reports its first NaN,
 and a row with any NaN chunk takes the first of those.
+
+Where PDL is on (``pdl.py``) both launch with it: each signals its dependents, then waits,
+before any read, so the first pass starts as the head's GEMV drains and the second as the
+first pass runs; neither reads anything before its wait.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import triton
 import triton.language as tl
 
 from graphattn.kernels.checks import FLOAT_DTYPES, expect_dtype, expect_ndim
+from graphattn.kernels.pdl import launch_options
 
 BLOCK = 2048  # entries of a row per program of the first pass
 MAX_VOCAB = 2**31 - 1  # indices are int32 in the kernels
@@ -54,12 +59,31 @@ def argmax(logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     nans = torch.empty(rows, chunks, dtype=torch.int8, device=logits.device)
     # Triton launches on the current device: make it the logits' one
     on_device = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
+    pdl = launch_options(logits.device)
     with on_device:
         _chunk_argmax_kernel[(rows, chunks)](
-            logits, values, where, nans, vocab, logits.stride(0), chunks, BLOCK=block, num_warps=4
+            logits,
+            values,
+            where,
+            nans,
+            vocab,
+            logits.stride(0),
+            chunks,
+            BLOCK=block,
+            PDL=bool(pdl),
+            num_warps=4,
+            **pdl,
         )
         _row_argmax_kernel[(rows,)](
-            values, where, nans, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=1
+            values,
+            where,
+            nans,
+            out,
+            chunks,
+            BLOCK_C=triton.next_power_of_2(chunks),
+            PDL=bool(pdl),
+            num_warps=1,
+            **pdl,
         )
     return out
 
@@ -84,7 +108,11 @@ def _chunk_argmax_kernel(
     stride_row,
     C,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with launch_pdl: signal, then wait before any read (pdl.py)
 ):
+    if PDL:  # the logits come from the kernel before (the head's GEMV)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -100,7 +128,18 @@ def _chunk_argmax_kernel(
 
 
 @triton.jit
-def _row_argmax_kernel(val_ptr, idx_ptr, nan_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
+def _row_argmax_kernel(
+    val_ptr,
+    idx_ptr,
+    nan_ptr,
+    out_ptr,
+    C,
+    BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,  # launched with launch_pdl: signal, then wait before any read (pdl.py)
+):
+    if PDL:  # the partials come from the first pass
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     ok = c < C

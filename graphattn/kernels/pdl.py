@@ -20,6 +20,8 @@ The kernels that use it, and how:
   cache itself are read after it;
 - mixed-batch attention and the split-KV reduction (``split_kv.py``): every read after the
   wait (a mixed batch's cache may come from the write kernel just before);
+- the argmax's two passes (``argmax.py``, ``graphattn.greedy`` after the head): every read
+  after the wait;
 - in all of them every read of activations and every store comes after the wait, so a
   kernel neither reads an input early nor overwrites a buffer an earlier kernel still reads.
   Before the wait a kernel reads only what no kernel of the step writes (weights, the
@@ -34,7 +36,8 @@ The kernels that use it, and how:
   signal at their start: at one token they take few of the SMs' slots, so the o_proj GEMV
   after them can have its first weight tiles in flight while they run. With the early reads
   and prefetch above, the batch-1 step measured 16-19 us faster than without both; neither
-  alone showed a gain (docs/performance.md, round 12).
+  alone showed a gain (docs/performance.md, round 12). The argmax's passes signal at their
+  start too: a few dozen programs at batch 1.
 
 ``GRAPHATTN_PDL=0`` turns it off. It is off on the CPU (the Triton interpreter), on ROCm and
 before compute capability 9.0, where the kernels launch normally.
