@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import platform
 import statistics
 import sys
@@ -69,6 +70,7 @@ SPIN_LIMIT = tl.constexpr(1 << 17)
 MAX_IMBALANCE = 1.07  # most tiles a program gets / the mean, for the BLOCK_N choice
 SANE_REL_ERR = 0.05  # largest |chain output - fp32 reference| / largest |reference|
 # programs per SM, warps, stages, preload[, tile elements, poll with loads]
+DEFAULT_FLOW_CONFIGS = "4,4,3;4,4,3,4096,1,0,2;4,4,3,4096,1,2,2;4,4,3,4096,4,2,2"
 DEFAULT_CONFIGS = "4,4,3,0;2,8,3,0,8192;1,16,3,0,16384;3,4,3,1;4,4,3,0,4096,1;4,4,3,0,4096,3"
 
 
@@ -256,6 +258,209 @@ def _persistent_chain_kernel(
             _grid_barrier(bar + 3, err_ptr, nprog, SYNC, POLL)
 
 
+# The dataflow kernel: a ready counter for every FLOW_GROUP output rows of every GEMV.
+FLOW_GROUP = 128  # at most (the gcd of the chain's N with it); a multiple of every BLOCK_N
+FLOW_PROBE = 128  # counters one poll can cover: >= the most a GEMV has (16384 / 128)
+FLOW_READY = 1 << 20  # the count of the counter row read by the first GEMV: always ready
+FLOW_PAD = 32  # int32s from one counter to the next: each on its own 128-byte line
+
+
+# A poll in PTX, on every thread for its own counter: ld.acquire until the count reaches $2,
+# or the limit ($4); a lane with $3 == 0 returns $2 at once. One instruction to the compiler,
+# so the K loop around it keeps its software pipelining (a loop in Triton there does not).
+_FLOW_POLL_ASM = tl.constexpr(
+    "{\n.reg .pred %pi, %pl, %pc;\n.reg .u32 %n;\nsetp.eq.u32 %pi, $3, 0;\nmov.u32 $0, $2;\n"
+    "@%pi bra DONE${:uid};\nmov.u32 %n, 0;\nPOLL${:uid}:\nld.acquire.gpu.global.u32 $0, [$1];\n"
+    "add.u32 %n, %n, 1;\nsetp.lt.u32 %pl, $0, $2;\nsetp.lt.u32 %pc, %n, $4;\n"
+    "and.pred %pl, %pl, %pc;\n@%pl bra POLL${:uid};\nDONE${:uid}:\n}"
+)
+
+
+@triton.jit
+def _flow_stage(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    in_cnt,  # the producer's ready counters (its rows in FLOW_GROUPs)
+    out_cnt,  # this GEMV's
+    err_ptr,
+    pid,
+    nprog,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    N_IN: tl.constexpr,  # the producer's rows
+    BN_IN: tl.constexpr,  # the producer's rows per tile
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,
+    GROUP: tl.constexpr,
+    PROBE: tl.constexpr,
+    WAIT: tl.constexpr,
+    POLL: tl.constexpr,  # 0: a loop of acquire atomics in Triton; 1: _FLOW_POLL_ASM per lane;
+    # 2: a loop of volatile loads, then one acquire atomic
+    SIGNAL: tl.constexpr,  # 0: sync + one release add in an if; 1: the same, no if; 2: per row
+    PAD: tl.constexpr,  # counter i at in_cnt + i * PAD
+):
+    """y[N] = w[N, K] @ x[:K] as ``_gemv_stage`` streams it, synchronised by data instead of
+    by a barrier. In its first tile this program's K step [k0, k0 + BK) waits until the
+    producer's rows [0, (k0 + BK) * N_IN / K) are written: the input as if each of x's values
+    came from N_IN / K of the producer's rows, as the model's do (gate and up for one SiLU-mul
+    value; q, k and v for an attention output). Later tiles find those counters full. After
+    the last K step of each tile it publishes the tile's rows (``SIGNAL``): the program's
+    threads sync and one thread adds 1 to the rows' counter with release semantics, or every
+    thread that stored a row adds 1 for it."""
+    KI: tl.constexpr = K // BK
+    FULL: tl.constexpr = GROUP if SIGNAL == 2 else GROUP // BN_IN  # arrivals a counter gets
+    my_tiles = (N // BN - pid + nprog - 1) // nprog
+    cols = tl.arange(0, BK)
+    lane = tl.arange(0, BN)
+    probe = tl.arange(0, PROBE)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    known = 0  # POLL 0: the producer's counters this program has seen full
+    short = 0  # POLL 1: polls that gave up
+    for it in tl.range(0, my_tiles * KI, num_stages=STAGES):
+        tile = pid + (it // KI) * nprog
+        rows = tile * BN + lane
+        k0 = (it % KI) * BK
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k0 + cols[None, :])
+        need = ((k0 + BK) * N_IN + K * GROUP - 1) // (K * GROUP)
+        limit = tl.full([], BK, tl.int32)  # x's load depends on the poll, so it stays after it
+        if WAIT and POLL == 1:
+            m = (probe < need) & (it < KI)
+            seen = tl.inline_asm_elementwise(
+                _FLOW_POLL_ASM,
+                "=r,l,r,r,r",
+                [
+                    in_cnt + probe * PAD,
+                    tl.full([PROBE], FULL, tl.int32),
+                    m.to(tl.int32),
+                    tl.full([PROBE], SPIN_LIMIT, tl.int32),
+                ],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+            ready = tl.min(seen, axis=0) >= FULL  # every lane's poll, before any thread reads
+            limit = tl.where(ready, BK, 0).to(tl.int32)
+            short += tl.where(ready, 0, 1)
+        if WAIT and POLL == 0 and need > known:
+            c = known + probe
+            m = c < need
+            seen = tl.atomic_add(in_cnt + c * PAD, 0, mask=m, sem="acquire", scope="gpu")
+            missing = tl.sum(tl.where(m & (seen < FULL), 1, 0), axis=0)
+            spins = 0
+            while (missing > 0) & (spins < SPIN_LIMIT):
+                seen = tl.atomic_add(in_cnt + c * PAD, 0, mask=m, sem="acquire", scope="gpu")
+                missing = tl.sum(tl.where(m & (seen < FULL), 1, 0), axis=0)
+                spins += 1
+            if missing > 0:
+                tl.atomic_max(err_ptr, 1)
+            limit = tl.where(missing == 0, BK, 0).to(tl.int32)
+            known = need
+        if WAIT and POLL == 2 and need > known:
+            c = known + probe
+            m = c < need
+            seen = tl.load(in_cnt + c * PAD, mask=m, other=FULL, volatile=True)
+            missing = tl.sum(tl.where(seen < FULL, 1, 0), axis=0)
+            spins = 0
+            while (missing > 0) & (spins < SPIN_LIMIT):
+                seen = tl.load(in_cnt + c * PAD, mask=m, other=FULL, volatile=True)
+                missing = tl.sum(tl.where(seen < FULL, 1, 0), axis=0)
+                spins += 1
+            if missing > 0:
+                tl.atomic_max(err_ptr, 1)
+            tl.atomic_add(in_cnt, 0, sem="acquire", scope="gpu")  # the others' stores, seen
+            limit = tl.where(missing == 0, BK, 0).to(tl.int32)
+            known = need
+        x = tl.load(x_ptr + k0 + cols, mask=cols < limit, other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        last = (it % KI) == KI - 1
+        tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=(lane < BN) & last)
+        if SIGNAL == 0:
+            if last:
+                tl.debug_barrier()  # every thread's stores of the tile precede the release
+                tl.atomic_add(out_cnt + (tile * BN) // GROUP * PAD, 1, sem="release", scope="gpu")
+        elif SIGNAL == 1:
+            tl.debug_barrier()
+            tl.atomic_add(
+                out_cnt + (tile * BN) // GROUP * PAD, 1, mask=last, sem="release", scope="gpu"
+            )
+        else:  # the thread that stored a row releases it (the store's and the add's layout)
+            tl.atomic_add(
+                out_cnt + rows // GROUP * PAD,
+                1,
+                mask=(lane < BN) & last,
+                sem="release",
+                scope="gpu",
+            )
+        acc = tl.where(last, 0.0, acc)
+    if short > 0:
+        tl.atomic_max(err_ptr, 1)
+
+
+@triton.jit
+def _flow_chain_kernel(
+    x0_ptr,
+    wq_ptr,
+    wo_ptr,
+    wgu_ptr,
+    wd_ptr,
+    yq_ptr,
+    yo_ptr,
+    ygu_ptr,
+    yd_ptr,
+    cnt_ptr,  # int32 [1 + 4 * layers, PROBE * PAD]: row 0 reads FLOW_READY, the others zeroed
+    err_ptr,  # int32 [1]: set when a poll gave up
+    layers,
+    HIDDEN: tl.constexpr,
+    QKV: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    MLP: tl.constexpr,
+    BN_Q: tl.constexpr,
+    BK_Q: tl.constexpr,
+    BN_O: tl.constexpr,
+    BK_O: tl.constexpr,
+    BN_GU: tl.constexpr,
+    BK_GU: tl.constexpr,
+    BN_D: tl.constexpr,
+    BK_D: tl.constexpr,
+    STAGES: tl.constexpr,
+    GROUP: tl.constexpr,
+    PROBE: tl.constexpr,
+    WAIT: tl.constexpr,
+    POLL: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    """The chain of ``_persistent_chain_kernel`` with no barrier: each GEMV's K steps wait
+    for the producer rows they read (``_flow_stage``), so a program goes on to the next GEMV
+    as soon as its own tiles are done, while the other programs finish theirs."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for layer in range(0, layers):
+        x_ptr = yd_ptr + (layer - 1) * HIDDEN
+        if layer == 0:
+            x_ptr = x0_ptr
+        cnt = cnt_ptr + (1 + layer * 4) * PROBE * PAD  # this layer's qkv counters; row 0 first
+        yq = yq_ptr + layer * QKV
+        yo = yo_ptr + layer * HIDDEN
+        ygu = ygu_ptr + layer * GATE_UP
+        yd = yd_ptr + layer * HIDDEN
+        wq = wq_ptr + layer * QKV * HIDDEN
+        wo = wo_ptr + layer * HIDDEN * HIDDEN
+        wgu = wgu_ptr + layer * GATE_UP * HIDDEN
+        wd = wd_ptr + layer * HIDDEN * MLP
+        # the first qkv reads row 0 (always full); its N_IN / BN_IN then do not matter
+        _flow_stage(x_ptr, wq, yq, cnt - PROBE * PAD, cnt, err_ptr, pid, nprog, QKV, HIDDEN,
+                    HIDDEN, BN_D, BN_Q, BK_Q, STAGES, GROUP, PROBE, WAIT, POLL, SIGNAL, PAD)  # fmt: skip
+        _flow_stage(yq, wo, yo, cnt, cnt + PROBE * PAD, err_ptr, pid, nprog, HIDDEN, HIDDEN,
+                    QKV, BN_Q, BN_O, BK_O, STAGES, GROUP, PROBE, WAIT, POLL, SIGNAL, PAD)  # fmt: skip
+        _flow_stage(yo, wgu, ygu, cnt + PROBE * PAD, cnt + 2 * PROBE * PAD, err_ptr, pid, nprog, GATE_UP,
+                    HIDDEN, HIDDEN, BN_O, BN_GU, BK_GU, STAGES, GROUP, PROBE, WAIT, POLL, SIGNAL, PAD)  # fmt: skip
+        _flow_stage(ygu, wd, yd, cnt + 2 * PROBE * PAD, cnt + 3 * PROBE * PAD, err_ptr, pid, nprog, HIDDEN,
+                    MLP, GATE_UP, BN_GU, BN_D, BK_D, STAGES, GROUP, PROBE, WAIT, POLL, SIGNAL, PAD)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Config:
     per_sm: int  # programs per SM (all must be resident at once)
@@ -264,11 +469,19 @@ class Config:
     preload: bool
     tile: int = TILE_ELEMS  # weight elements a program loads per loop step
     poll: int = 0  # the barrier polls with 0 atomics, 1 loads, 2 / 3 ld.acquire (all / one)
-    scope: str = "step"  # "step": one launch; "layer": one launch a layer
+    scope: str = "step"  # "step": one launch; "layer": one launch a layer; "flow": dataflow
     sync: bool = True
+    ksteps: int = 1  # flow: at least this many K steps a GEMV (BK <= K / ksteps)
+    signal: int = 0  # flow: how a tile is published (_flow_stage's SIGNAL)
 
     @property
     def label(self) -> str:
+        if self.scope == "flow":
+            name = "flow" if self.sync else "flow-nowait"
+            return (
+                f"{name} {self.per_sm}/w{self.warps}/s{self.stages}/t{self.tile}/k{self.ksteps}"
+                f"/p{self.poll}/sig{self.signal}"
+            )
         name = self.scope if self.sync else "nosync"
         pre = " pre" if self.preload else ""
         poll = ("", " ld", " asm", " asm1")[self.poll]
@@ -302,6 +515,30 @@ def parse_configs(text: str) -> list[Config]:
                 f"poll 0 to 3, got {part!r}"
             )
         out.append(Config(per_sm, warps, stages, bool(pre), tile, poll))
+    return out
+
+
+def parse_flow_configs(text: str) -> list[Config]:
+    """``per_sm,warps,stages[,tile[,ksteps[,poll[,signal]]]];...`` for the dataflow kernel
+    (ksteps a power of two, poll 0 to 2, signal 0 to 2)."""
+    out = []
+    for part in filter(None, text.split(";")):
+        fields = part.split(",")
+        extra = (fields[4:] + ["1", "0", "0"][len(fields[4:]) :]) if len(fields) > 4 else []
+        ksteps, poll, signal = (int(v) if v.isdigit() else -1 for v in extra or ["1", "0", "0"])
+        if (
+            not 3 <= len(fields) <= 7
+            or ksteps < 1
+            or ksteps & (ksteps - 1)
+            or poll not in (0, 1, 2)
+            or signal not in (0, 1, 2)
+        ):
+            raise SystemExit(
+                "--flow-configs: expected per_sm,warps,stages[,tile[,ksteps[,poll[,signal]]]] "
+                f"(ksteps a power of two, poll 0-2, signal 0-2), got {part!r}"
+            )
+        (cfg,) = parse_configs(",".join(fields[:3] + ["0"] + fields[3:4]))
+        out.append(dataclasses.replace(cfg, scope="flow", ksteps=ksteps, poll=poll, signal=signal))
     return out
 
 
@@ -349,6 +586,9 @@ class Chain:
         self.x = torch.randn(shapes[0][2], generator=gen, device=device).to(torch.bfloat16)
         self.bytes = sum(w.numel() * w.element_size() for w in self.w.values())
         self.sync = torch.zeros(layers * 4, dtype=torch.int32, device=device)
+        self.flow = torch.zeros(
+            1 + layers * 4, FLOW_PROBE * FLOW_PAD, dtype=torch.int32, device=device
+        )
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.checked: dict[Config, dict] = {}  # the compiled kernel's resources per config
 
@@ -370,7 +610,7 @@ class Chain:
         tiles = {}
         for name, n, k in self.shapes:
             bn = block_n(n, nprog)
-            bk = min(cfg.tile // bn, k)
+            bk = min(cfg.tile // bn, k // cfg.ksteps)
             if k % bk:
                 raise ValueError(f"{name}: K={k} is not a multiple of the tile's {bk}")
             tiles[name] = (bn, bk)
@@ -387,6 +627,8 @@ class Chain:
             self.sync,
             self.err,
         )
+        if cfg.scope == "flow":
+            args = args[:9] + (self.flow, self.err)
         meta = dict(
             HIDDEN=hidden,
             QKV=qkv,
@@ -401,28 +643,55 @@ class Chain:
             BN_D=tiles["down"][0],
             BK_D=tiles["down"][1],
             STAGES=cfg.stages,
-            PRELOAD=cfg.preload,
-            SYNC=cfg.sync,
-            POLL=cfg.poll if nprog > 1 else min(cfg.poll, 1),  # the interpreter runs no PTX
             num_warps=cfg.warps,
             num_stages=cfg.stages,
         )
+        if cfg.scope == "flow":
+            group = math.gcd(FLOW_GROUP, *(n for _, n, _ in self.shapes))
+            if any(group % bn for bn, _ in tiles.values()) or any(
+                n // group > FLOW_PROBE for _, n, _ in self.shapes
+            ):
+                raise ValueError(f"no counter size fits the tiles {tiles} and {self.shapes}")
+            kernel, extra = _flow_chain_kernel, (self.layers,)
+            meta |= dict(
+                GROUP=group,
+                PROBE=FLOW_PROBE,
+                WAIT=cfg.sync,
+                POLL=0 if nprog == 1 and cfg.poll == 1 else cfg.poll,  # the interpreter: no PTX
+                SIGNAL=cfg.signal,
+                PAD=FLOW_PAD,
+            )
+        else:
+            kernel, extra = _persistent_chain_kernel, (0, 1)
+            meta |= dict(
+                PRELOAD=cfg.preload,
+                SYNC=cfg.sync,
+                POLL=cfg.poll if nprog > 1 else min(cfg.poll, 1),  # the interpreter runs no PTX
+            )
         if nprog > 1 and cfg not in self.checked:
             # A program that is not resident never arrives: the others would spin until the
             # limit. Compile without launching and refuse a grid the SMs cannot hold at once.
-            compiled = _persistent_chain_kernel.warmup(*args, 0, 1, grid=(nprog,), **meta)
+            compiled = kernel.warmup(*args, *extra, grid=(nprog,), **meta)
             compiled._init_handles()  # loads the module; sets n_regs
             fits = resident_per_sm(compiled, cfg.warps, torch.device(self.device))
             self.checked[cfg] = {
                 "regs": compiled.n_regs,
                 "shared": compiled.metadata.shared,
                 "fits": fits,
+                # whether Triton software-pipelined a loop through shared memory
+                "async_copies": compiled.asm["ttgir"].count("async_copy_global_to_local"),
+                "tiles": tiles,
             }
             if fits < cfg.per_sm:
                 raise RuntimeError(
                     f"{cfg.per_sm} programs per SM cannot be resident: {fits} fit "
                     f"({compiled.n_regs} registers a thread, {compiled.metadata.shared} B shared)"
                 )
+        if cfg.scope == "flow":
+            self.flow.zero_()
+            self.flow[0].fill_(FLOW_READY)
+            kernel[(nprog,)](*args, self.layers, **meta)
+            return
         self.sync.zero_()
         spans = (
             [(0, self.layers)] if cfg.scope == "step" else [(i, i + 1) for i in range(self.layers)]
@@ -488,6 +757,11 @@ def main(argv: list[str] | None = None) -> int:
         help="per_sm,warps,stages,preload[,tile[,poll]];...",
     )
     p.add_argument("--layer-scope", action="store_true", help="also one launch a layer")
+    p.add_argument(
+        "--flow-configs",
+        default=DEFAULT_FLOW_CONFIGS,
+        help="the dataflow kernel: per_sm,warps,stages[,tile];... ('' for none)",
+    )
     p.add_argument("--out", help="JSON path")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -502,6 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.layer_scope:
         configs += [dataclasses.replace(c, scope="layer") for c in configs]
     configs.append(dataclasses.replace(configs[0], sync=False))
+    flow = parse_flow_configs(a.flow_configs)
+    if flow:
+        configs += flow + [dataclasses.replace(c, sync=False) for c in flow]
 
     variants = [Variant("library", chain.run_library, chain)]
     variants += [
@@ -562,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         k
         for k, e in entries.items()
         if e["status"] == "ok"
-        and not k.startswith("nosync")
+        and not k.startswith(("nosync", "flow-nowait"))
         and not e["rel_err_vs_fp32"] <= SANE_REL_ERR
     ]
     return 1 if bad or hung else 0

@@ -1,7 +1,8 @@
 """benchmarks/persistent_chain.py: the persistent kernel computes the fp32 GEMV chain (CPU: the
 Triton interpreter, one program), and on a GPU its grid barrier orders the GEMVs: without it
 the checked replay from NaN outputs carries NaN, with it the chain is exact to bf16 rounding,
-and a grid the SMs cannot hold at once is refused before it is launched."""
+and a grid the SMs cannot hold at once is refused before it is launched. The dataflow kernel
+(ready counters instead of barriers) is held to the same checks."""
 
 from __future__ import annotations
 
@@ -25,10 +26,26 @@ def test_smoke_chain_matches_the_fp32_chain(tmp_path):
     assert pc.main(["--smoke", "--layer-scope", "--out", str(out)]) == 0
     variants = json.loads(out.read_text())["variants"]
     configs = pc.parse_configs(pc.DEFAULT_CONFIGS)
-    assert len(variants) == 1 + 2 * len(configs) + 1  # library, step and layer, nosync
+    flow = pc.parse_flow_configs(pc.DEFAULT_FLOW_CONFIGS)
+    # library, step and layer, nosync, the dataflow kernel and its run without waits
+    assert len(variants) == 1 + 2 * len(configs) + 1 + 2 * len(flow)
+    assert sum(name.startswith("flow ") for name in variants) == len(flow)
     for name, entry in variants.items():
         assert entry["status"] == "ok", (name, entry)
         assert entry["max_abs_err_vs_fp32"] < 0.05, (name, entry)  # bf16 rounding of 8 outputs
+
+
+def test_flow_configs_are_checked():
+    (cfg,) = pc.parse_flow_configs("2,8,3,8192")
+    assert cfg == pc.Config(2, 8, 3, False, 8192, scope="flow")
+    assert cfg.label == "flow 2/w8/s3/t8192/k1/p0/sig0"
+    assert pc.parse_flow_configs("4,4,3,4096,4")[0].ksteps == 4
+    (cfg,) = pc.parse_flow_configs("4,4,3,4096,4,1,2")
+    assert (cfg.ksteps, cfg.poll, cfg.signal) == (4, 1, 2)
+    assert pc.parse_flow_configs("") == []
+    for bad in ("2,8", "2,8,3,4096,3", "2,8,3,4096,4,3", "2,8,3,4096,4,1,3", "2,6,3", "2,8,3,1,x"):
+        with pytest.raises(SystemExit, match=r"--(flow-)?configs"):
+            pc.parse_flow_configs(bad)
 
 
 def test_block_n_splits_rows_evenly_over_the_programs():
@@ -70,7 +87,13 @@ def test_grid_barrier_orders_the_chain():
             out = checked(dataclasses.replace(cfg, scope=scope))
             assert not out.isnan().any(), (cfg, scope)
             assert (out - expected).abs().max() < 0.05 * expected.abs().max(), (cfg, scope)
+    for cfg in pc.parse_flow_configs("4,4,3;4,4,3,4096,4;4,4,3,4096,1,2,2;4,4,3,4096,4,2,2"):
+        out = checked(cfg)
+        assert not out.isnan().any(), cfg
+        assert (out - expected).abs().max() < 0.05 * expected.abs().max(), cfg
     assert chain.err.item() == 0
     assert checked(pc.Config(4, 4, 3, False, sync=False)).isnan().any()  # the check can fail
+    flow_nowait = pc.Config(4, 4, 3, False, scope="flow", sync=False)
+    assert checked(flow_nowait).isnan().any()  # the counters are what orders the flow kernel
     with pytest.raises(RuntimeError, match="cannot be resident"):
         chain.run_persistent(pc.Config(8, 4, 3, False), sms)  # 3 fit (163 registers)
