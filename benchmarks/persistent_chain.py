@@ -27,6 +27,9 @@ timings), alternated over ``--rounds`` rounds:
   ``ld.acquire`` loop in inline PTX on every thread / on thread 0 alone (else with acquire
   atomics, which Triton runs on one thread);
 - ``layer ...``: one launch a layer (4 GEMVs, 3 barriers; 16 launches);
+- ``flow P/wW/sS/tT/kK/pP/sigS``: no barrier; ready counters per 128 output rows, polled by
+  each GEMV's first tile for the rows its K step reads (``_flow_stage``; ``--flow-configs``),
+  and ``flow-nowait ...`` the same without the polls (a wrong answer, the sync's bound);
 - ``nosync ...``: the step kernel without its barriers: a wrong answer (a GEMV reads its
   input before it is written), timed to show what the barriers cost, and the control that
   shows the poisoned-replay check below can fail.
