@@ -524,11 +524,14 @@ def parse_configs(text: str) -> list[Config]:
 def parse_flow_configs(text: str) -> list[Config]:
     """``per_sm,warps,stages[,tile[,ksteps[,poll[,signal]]]];...`` for the dataflow kernel
     (ksteps a power of two, poll 0 to 2, signal 0 to 2)."""
+    defaults = ["1", "0", "0"]  # ksteps, poll, signal
     out = []
     for part in filter(None, text.split(";")):
         fields = part.split(",")
-        extra = (fields[4:] + ["1", "0", "0"][len(fields[4:]) :]) if len(fields) > 4 else []
-        ksteps, poll, signal = (int(v) if v.isdigit() else -1 for v in extra or ["1", "0", "0"])
+        given = fields[4:7]
+        ksteps, poll, signal = (
+            int(v) if v.isdigit() else -1 for v in given + defaults[len(given) :]
+        )
         if (
             not 3 <= len(fields) <= 7
             or ksteps < 1
@@ -627,11 +630,9 @@ class Chain:
             self.y["o"],
             self.y["gate_up"],
             self.y["down"],
-            self.sync,
+            self.flow if cfg.scope == "flow" else self.sync,
             self.err,
         )
-        if cfg.scope == "flow":
-            args = args[:9] + (self.flow, self.err)
         meta = dict(
             HIDDEN=hidden,
             QKV=qkv,
@@ -763,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--flow-configs",
         default=DEFAULT_FLOW_CONFIGS,
-        help="the dataflow kernel: per_sm,warps,stages[,tile];... ('' for none)",
+        help="the dataflow kernel: per_sm,warps,stages[,tile[,ksteps[,poll[,signal]]]];... "
+        "('' for none)",
     )
     p.add_argument("--out", help="JSON path")
     a = p.parse_args(argv)
