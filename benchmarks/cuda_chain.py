@@ -13,22 +13,32 @@ software pipeline lives inside one loop, and a barrier in or between loops drain
 
 This kernel keeps the stream going across the wait. One block per SM, all resident. Each
 block owns a balanced, contiguous range of output rows of every GEMV, so its share of each
-weight is one contiguous byte range, cut into stage-sized chunks of whole rows. The block
-runs one ring of ``STAGES`` shared-memory buffers over the chunks of all 64 GEMVs in order:
-it issues ``cp.async`` copies ``STAGES - 1`` chunks ahead of the chunk it multiplies, so
-while it waits for GEMV i-1's last block (a release add per block and GEMV; thread 0 polls
-with ``ld.acquire``), the first chunks of GEMV i's weights keep arriving. The rows' input
-(GEMV i-1's output, read through L2 with ``ld.global.cg``) goes to shared memory as fp32
-once per GEMV. A chunk's products are summed per warp, then per row; the row's thread
-stores it in bf16. The last block to finish sets the counters back to zero, so every replay
+weight is one contiguous byte range, cut into stage-sized chunks of whole rows. One warp
+of the block copies: it walks the chunks of all 64 GEMVs in order and copies each into a
+ring of ``STAGES`` shared-memory slots with one bulk copy (``cp.async.bulk``, Hopper's TMA
+unit) counted on the slot's ``full`` mbarrier, waiting only for the slot's ``empty``
+mbarrier. The other threads multiply: they wait for GEMV i-1's last block (a release add
+per block and GEMV; thread 0 polls with ``ld.acquire``), load their columns of its output
+into registers (through L2, ``ld.global.cg``), and then for each chunk wait on ``full``,
+sum a warp's products of it (shuffles) into shared memory and free the slot (one arrival a
+warp).
+While they wait for GEMV i-1, the copy warp keeps filling the ring with GEMV i's weights.
+Once a block's chunks of a GEMV are done, a thread a row adds its warps' partials and
+stores the row in bf16. The last block to finish sets the counters back to zero, so every replay
 starts clean.
 
 Variants, each a CUDA graph replayed after warm-up (median of CUDA-event timings), in one
 process, alternated over ``--rounds``:
 - ``library``: ``graphattn.kernels.gemv`` as the step runs it (64 launches, PDL on Hopper);
-- ``ring tT/bB/sS``: the kernel above, T threads a block, B-byte stages, S of them;
+- ``ring tT/bB/sS``: the kernel above, T multiplying threads a block, S slots of B bytes;
+- ``ring-ll ...``: no counters: each output is also stored as one 32-bit word, its bf16
+  bits under the launch's tag (NCCL's low-latency protocol uses the same idea), and each
+  thread polls its own input words until all carry the tag, so a GEMV's wait is one read
+  of the data it needs instead of a counter read, a barrier and then the data;
 - ``ring-nosync ...``: the same without the waits: a wrong answer (a GEMV reads its input
-  before it is written), timed as the bound of what synchronisation costs.
+  before it is written), timed as the bound of what synchronisation costs;
+- ``ring-copyonly ...``: without the waits and without the products: what the weight
+  stream and the work at each GEMV's end (partials summed, rows stored) cost alone.
 Every variant's output of one more replay, started from NaN-filled outputs, is compared
 with the fp32 reference of the chain (each output rounded to bf16, as the kernels store it).
 The kernel is a measurement, not part of graphattn: the library is Triton, and a CUDA
@@ -58,20 +68,27 @@ from benchmarks import attention as ab  # noqa: E402
 from benchmarks.pdl_chain import LAYER, SMOKE_LAYER, Chain  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # an H100/H200 block's opt-in shared memory
-DEFAULT_CONFIGS = "512,16384,11;512,32768,6;256,16384,11;512,16384,4"
+DEFAULT_CONFIGS = "512,16384,13;256,16384,13;512,32768,6"
 SMOKE_BLOCKS = 132  # an H100/H200's SMs, for the smoke run's schedule
 SANE_REL_ERR = 0.05  # largest |output - fp32 reference| / largest |reference|
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+# ring: the kernel, waiting on a counter a GEMV; ring-ll: waiting on tagged outputs instead;
+# ring-nosync: without waits; ring-copyonly: without waits or products (the weight stream and
+# the GEMV boundaries' work alone)
+KINDS = ("ring", "ring-ll", "ring-nosync", "ring-copyonly")
 
 _SOURCE = r"""
 #define NT __THREADS__
 #define STAGES __STAGES__
 #define STAGE_BYTES __STAGE_BYTES__
-#define MAX_K __MAX_K__
+#define MAX_CHUNKS __MAX_CHUNKS__
 #define SYNC __SYNC__
+#define COMPUTE __COMPUTE__
+#define LL __LL__  /* 1: each output carries the launch's tag; readers poll the data itself */
+#define NW (NT / 32)
 #define STAGE_ELEMS (STAGE_BYTES / 2)
 #define PIECES (STAGE_BYTES / 16)  /* 16-byte pieces (8 bf16) a stage holds */
-#define PASSES (PIECES / NT)
+#define PASSES (PIECES / NT)       /* pieces a thread multiplies per chunk */
 #define SPIN_LIMIT (1u << 22)
 
 typedef unsigned int u32;
@@ -84,26 +101,56 @@ __device__ __forceinline__ u32 shared_addr(const void* p) {
                  : "=r"(a) : "l"(p));
     return a;
 }
-__device__ __forceinline__ void copy16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+__device__ __forceinline__ void bar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
 }
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void wait_ring() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
+__device__ __forceinline__ void bar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
+    u32 ok;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                     " selp.u32 %0, 1, 0, p; }" : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+    } while (!ok);
+}
+/* One bulk copy (the TMA unit) of `bytes` into shared memory, counted on `bar`. */
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];" :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() {  /* the NT threads that multiply */
+    asm volatile("bar.sync 1, %0;" :: "n"(NT) : "memory");
+}
+__device__ __forceinline__ U4 load_shared(u32 addr) {
+    U4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
 }
 __device__ __forceinline__ u32 load_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ void add_release(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ U4 load_l2(const void* p) {
     U4 v;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
 __device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ float dot8(U4 w, const float* x, float acc) {
+    acc += lo(w.x) * x[0]; acc += hi(w.x) * x[1]; acc += lo(w.y) * x[2]; acc += hi(w.y) * x[3];
+    acc += lo(w.z) * x[4]; acc += hi(w.z) * x[5]; acc += lo(w.w) * x[6]; acc += hi(w.w) * x[7];
+    return acc;
+}
 __device__ __forceinline__ unsigned short to_bf16(float f) {  /* round to nearest even */
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
@@ -112,16 +159,21 @@ __device__ __forceinline__ unsigned short to_bf16(float f) {  /* round to neares
 }
 
 /* Block b's rows of GEMV g: [r0, r1), in chunks of `rows` whole rows (k elements each). */
-struct Share { const char* w; const char* x; unsigned short* y; int k, r0, r1, rows, chunks; };
+struct Share {
+    const char* w; const char* x; unsigned short* y; const u32* xt; u32* yt;
+    int k, r0, r1, rows, chunks;
+};
 
 __device__ __forceinline__ Share share_of(const i64* table, int g) {
-    const i64* t = table + 5 * g;
+    const i64* t = table + 7 * g;
     Share s;
     s.w = (const char*)t[0];
     s.x = (const char*)t[1];
     s.y = (unsigned short*)t[2];
     int n = (int)t[3];
     s.k = (int)t[4];
+    s.xt = (const u32*)t[5];  /* the input with tags (GEMV g-1's), null for the first */
+    s.yt = (u32*)t[6];
     s.r0 = (int)((i64)n * blockIdx.x / gridDim.x);
     s.r1 = (int)((i64)n * (blockIdx.x + 1) / gridDim.x);
     s.rows = STAGE_ELEMS / s.k;
@@ -129,47 +181,58 @@ __device__ __forceinline__ Share share_of(const i64* table, int g) {
     return s;
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) ring_chain(
-    const i64* table,  /* [G, 5]: weight, x, y pointers, N, K */
+/* Warp NT / 32 copies; threads 0..NT-1 multiply. In a chunk of `rows` rows, thread t works
+   on row t / tpr (tpr = NT / rows threads a row), pieces t % tpr + j * tpr of it; a warp's
+   threads share a row, so each warp sums its partial of the chunk at once (shuffles) into
+   shared memory, and a thread a row adds the warps' partials once the block's chunks of
+   the GEMV are done. */
+extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
+    const i64* table,  /* [G, 7]: weight, x, y pointers, N, K, tagged x and y pointers */
     int num_gemvs,
     u32* ready,        /* [G] blocks done with each GEMV, zero at the launch */
-    u32* done,         /* blocks done with the chain */
+    u32* done,         /* [2]: blocks done with the chain, launches so far */
     u32* err)          /* set when a wait gives up */
 {
     extern __shared__ __align__(16) char smem[];
-    char* ring = smem;
-    float* xs = (float*)(smem + STAGES * STAGE_BYTES);
-    float* red = xs + MAX_K;
-    const int tid = threadIdx.x, lane = tid & 31;
-    const u32 slot0 = shared_addr(ring);
+    float* part = (float*)(smem + STAGES * STAGE_BYTES);  /* [MAX_CHUNKS][NW] */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+    const u32 ring = shared_addr(smem);
+    const u32 full = shared_addr(part + MAX_CHUNKS * NW);  /* [STAGES] mbarriers */
+    const u32 empty = full + 8 * STAGES;                   /* [STAGES] mbarriers */
+    /* this launch's tag, 1..65535: the last block of the previous launch moved it on */
+    const u32 tag = LL ? (load_acquire(done + 1) % 65535u) + 1u : 0u;
 
-    /* the issue cursor: GEMV ig, chunk ic of it; sequence number is_ */
-    int ig = 0, ic = 0, is_ = 0;
-    Share isr = share_of(table, 0);
-    /* issues the next chunk into its slot (or nothing past the last); always one group */
-#define ISSUE()                                                                          \
-    {                                                                                    \
-        while (ig < num_gemvs && ic >= isr.chunks) {                                     \
-            ++ig; ic = 0;                                                                \
-            if (ig < num_gemvs) isr = share_of(table, ig);                               \
-        }                                                                                \
-        if (ig < num_gemvs) {                                                            \
-            int r = isr.r0 + ic * isr.rows;                                              \
-            int nr = min(isr.rows, isr.r1 - r);                                          \
-            const char* src = isr.w + (i64)r * isr.k * 2;                                \
-            u32 dst = slot0 + (u32)(is_ % STAGES) * STAGE_BYTES;                         \
-            int pieces = nr * isr.k / 8;                                                 \
-            for (int p = tid; p < pieces; p += NT) copy16(dst + p * 16, src + (i64)p * 16); \
-            ++ic; ++is_;                                                                 \
-        }                                                                                \
-        commit();                                                                        \
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            bar_init(full + 8 * s, 1);
+            bar_init(empty + 8 * s, NT / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    for (int s = 0; s < STAGES - 1; ++s) ISSUE();
+    __syncthreads();
+    if (tid >= NT) {  /* the copy warp: every chunk of the chain, up to a ring ahead */
+        if (tid == NT) {
+            int seq = 0;
+            for (int g = 0; g < num_gemvs; ++g) {
+                Share sh = share_of(table, g);
+                for (int c = 0; c < sh.chunks; ++c, ++seq) {
+                    int slot = seq % STAGES, use = seq / STAGES;
+                    if (use > 0) bar_wait(empty + 8 * slot, (use - 1) & 1);
+                    int r = sh.r0 + c * sh.rows;
+                    u32 bytes = (u32)(min(sh.rows, sh.r1 - r) * sh.k * 2);
+                    bulk_copy(ring + (u32)slot * STAGE_BYTES, sh.w + (i64)r * sh.k * 2, bytes,
+                              full + 8 * slot);
+                }
+            }
+        }
+        return;
+    }
 
-    int cs = 0;  /* the sequence number of the chunk multiplied next */
+    int seq = 0;  /* the sequence number of the chunk multiplied next */
     for (int g = 0; g < num_gemvs; ++g) {
         Share sh = share_of(table, g);
         if (sh.chunks > 0) {
+            const int tpr = NT / sh.rows, row_in = tid / tpr, first = tid % tpr;
             if (SYNC && g > 0) {  /* GEMV g-1 complete: every block has added its arrival */
                 if (tid == 0) {
                     u32 spins = 0;
@@ -177,58 +240,71 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ring_chain(
                         if (++spins == SPIN_LIMIT) { atomicExch(err, 1u); break; }
                     }
                 }
-                __syncthreads();
+                consumers_sync();
             }
-            for (int i = tid; i < sh.k / 8; i += NT) {
-                U4 v = load_l2(sh.x + (i64)i * 16);
-                float* d = xs + i * 8;
-                d[0] = lo(v.x); d[1] = hi(v.x); d[2] = lo(v.y); d[3] = hi(v.y);
-                d[4] = lo(v.z); d[5] = hi(v.z); d[6] = lo(v.w); d[7] = hi(v.w);
-            }
-            const int row_pieces = sh.k / 8, groups_per_row = sh.k / 256;
-            for (int c = 0; c < sh.chunks; ++c, ++cs) {
-                wait_ring();
-                __syncthreads();  /* this chunk landed for every thread; the slot ISSUE
-                                     refills was finished with last iteration; xs written */
-                ISSUE();
-                const U4* stage = (const U4*)(ring + (cs % STAGES) * STAGE_BYTES);
-                int r = sh.r0 + c * sh.rows;
-                int nr = min(sh.rows, sh.r1 - r);
-                int valid = nr * row_pieces;
-                #pragma unroll
-                for (int j = 0; j < PASSES; ++j) {
-                    int p = tid + j * NT;
-                    float acc = 0.f;
-                    if (p < valid) {
-                        U4 w = stage[p];
-                        const float* xv = xs + (p % row_pieces) * 8;
-                        acc = lo(w.x) * xv[0] + hi(w.x) * xv[1] + lo(w.y) * xv[2]
-                            + hi(w.y) * xv[3] + lo(w.z) * xv[4] + hi(w.z) * xv[5]
-                            + lo(w.w) * xv[6] + hi(w.w) * xv[7];
+            float x[PASSES][8];  /* this thread's columns of the input, the same every chunk */
+            #pragma unroll
+            for (int j = 0; j < PASSES; ++j) {
+                if (LL && sh.xt) {  /* until all 8 values carry this launch's tag */
+                    const u32* src = sh.xt + (first + j * tpr) * 8;
+                    U4 a, b;
+                    for (u32 spins = 0;; ++spins) {
+                        a = load_l2(src);
+                        b = load_l2(src + 4);
+                        u32 t = (a.x >> 16 == tag) & (a.y >> 16 == tag) & (a.z >> 16 == tag)
+                              & (a.w >> 16 == tag) & (b.x >> 16 == tag) & (b.y >> 16 == tag)
+                              & (b.z >> 16 == tag) & (b.w >> 16 == tag);
+                        if (t) break;
+                        if (spins == SPIN_LIMIT) { atomicExch(err, 1u); break; }
                     }
-                    #pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-                    if (lane == 0) red[p / 32] = acc;
-                }
-                __syncthreads();
-                if (tid < nr) {
-                    float s = 0.f;
-                    for (int q = 0; q < groups_per_row; ++q) s += red[tid * groups_per_row + q];
-                    sh.y[r + tid] = to_bf16(s);
+                    x[j][0] = lo(a.x); x[j][1] = lo(a.y); x[j][2] = lo(a.z); x[j][3] = lo(a.w);
+                    x[j][4] = lo(b.x); x[j][5] = lo(b.y); x[j][6] = lo(b.z); x[j][7] = lo(b.w);
+                } else {
+                    U4 v = load_l2(sh.x + (i64)(first + j * tpr) * 16);
+                    x[j][0] = lo(v.x); x[j][1] = hi(v.x); x[j][2] = lo(v.y); x[j][3] = hi(v.y);
+                    x[j][4] = lo(v.z); x[j][5] = hi(v.z); x[j][6] = lo(v.w); x[j][7] = hi(v.w);
                 }
             }
+            const int nrows = sh.r1 - sh.r0;
+            for (int c = 0; c < sh.chunks; ++c, ++seq) {
+                const int slot = seq % STAGES;
+                bar_wait(full + 8 * slot, (seq / STAGES) & 1);
+                const u32 row = ring + (u32)slot * STAGE_BYTES + (u32)row_in * sh.k * 2;
+                float acc = 0.f;
+                if (COMPUTE && c * sh.rows + row_in < nrows) {
+                    float a[PASSES];  /* independent sums, added at the end */
+                    #pragma unroll
+                    for (int j = 0; j < PASSES; ++j)
+                        a[j] = dot8(load_shared(row + (first + j * tpr) * 16), x[j], 0.f);
+                    #pragma unroll
+                    for (int j = 0; j < PASSES; ++j) acc += a[j];
+                }
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                if (lane == 0) part[c * NW + warp] = acc;
+                __syncwarp();
+                if (lane == 0) bar_arrive(empty + 8 * slot);
+            }
+            consumers_sync();  /* every partial of this GEMV written */
+            const int wpr = tpr / 32;  /* a thread a row: its warps' partials */
+            for (int i = tid; i < nrows; i += NT) {
+                const float* p = part + (i / sh.rows) * NW + (i % sh.rows) * wpr;
+                float s = 0.f;
+                for (int q = 0; q < wpr; ++q) s += p[q];
+                unsigned short v = to_bf16(s);
+                sh.y[sh.r0 + i] = v;
+                if (LL) sh.yt[sh.r0 + i] = v | (tag << 16);  /* value and flag, one store */
+            }
         }
-        __syncthreads();  /* every row of this block stored (and xs read) */
-        if (tid == 0) {
-            __threadfence();
-            atomicAdd(ready + g, 1u);
-        }
+        consumers_sync();  /* every row of this block stored, the partials read */
+        if (tid == 0 && !LL) add_release(ready + g, 1u);
     }
     if (tid == 0) {  /* the last block out sets the counters back for the next launch */
         __threadfence();
         if (atomicAdd(done, 1u) == gridDim.x - 1) {
             for (int g = 0; g < num_gemvs; ++g) ready[g] = 0;
-            *done = 0;
+            done[0] = 0;
+            done[1] += 1;  /* the next launch's tag */
             __threadfence();
         }
     }
@@ -240,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ring_chain(
 class RingConfig:
     threads: int = 512
     stage_bytes: int = 16384
-    stages: int = 11
+    stages: int = 8
 
     def __post_init__(self) -> None:
         if self.threads % 32 or not 32 <= self.threads <= 1024:
@@ -257,8 +333,20 @@ class RingConfig:
     def label(self) -> str:
         return f"t{self.threads}/b{self.stage_bytes}/s{self.stages}"
 
-    def shared_bytes(self, max_k: int) -> int:
-        return self.stages * self.stage_bytes + 4 * max_k + 4 * (self.stage_bytes // 16 // 32)
+    @property
+    def block_threads(self) -> int:
+        return self.threads + 32  # and the copy warp
+
+    def shared_bytes(self, max_chunks: int) -> int:
+        """The ring, then one fp32 partial per warp of each of a block's chunks of one GEMV
+        (``max_chunks`` at most), then two mbarriers a stage."""
+        partials = 4 * max_chunks * (self.threads // 32)
+        return self.stages * self.stage_bytes + partials + 16 * self.stages
+
+
+def max_chunks(shapes, blocks: int, stage_bytes: int) -> int:
+    """The most chunks a block gets of one GEMV of ``shapes``."""
+    return max(len(chunks) for _, n, k in shapes for chunks in schedule(n, k, blocks, stage_bytes))
 
 
 def parse_configs(text: str) -> list[RingConfig]:
@@ -272,13 +360,14 @@ def parse_configs(text: str) -> list[RingConfig]:
 
 
 def check_shapes(shapes, config: RingConfig) -> None:
-    """The kernel's limits on a GEMV: K a multiple of 256 (whole warps of 16-byte pieces
-    per row) dividing the stage's elements (whole rows per chunk)."""
+    """The kernel's limits on a GEMV: a stage holds whole rows (K divides its elements), and
+    the threads split evenly over a chunk's rows."""
     elems = config.stage_bytes // 2
     for name, _, k in shapes:
-        if k % 256 or elems % k:
+        if k % 8 or elems % k or config.threads % (elems // k):
             raise ValueError(
-                f"{name}: K={k} must be a multiple of 256 dividing the stage's {elems} elements"
+                f"{name}: K={k} must divide the stage's {elems} elements into a number of rows "
+                f"that divides the {config.threads} threads"
             )
 
 
@@ -295,37 +384,46 @@ def schedule(n: int, k: int, blocks: int, stage_bytes: int) -> list[list[tuple[i
 class Ring:
     """The compiled kernel for one config, its descriptor table and counters for a chain."""
 
-    def __init__(self, chain: Chain, config: RingConfig, sync: bool) -> None:
+    def __init__(self, chain: Chain, config: RingConfig, kind: str = "ring") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         shapes = [(f"gemv{i}", w.shape[0], w.shape[1]) for i, w in enumerate(chain.weights)]
         check_shapes(shapes, config)
-        max_k = max(k for _, _, k in shapes)
-        self.shared = config.shared_bytes(max_k)
+        self.blocks = torch.cuda.get_device_properties().multi_processor_count
+        chunks = max_chunks(shapes, self.blocks, config.stage_bytes)
+        self.shared = config.shared_bytes(chunks)
         if self.shared > SHARED_LIMIT:
             raise ValueError(f"{config.label} needs {self.shared} B of shared memory")
         source = (
             _SOURCE.replace("__THREADS__", str(config.threads))
             .replace("__STAGES__", str(config.stages))
             .replace("__STAGE_BYTES__", str(config.stage_bytes))
-            .replace("__MAX_K__", str(max_k))
-            .replace("__SYNC__", "1" if sync else "0")
+            .replace("__MAX_CHUNKS__", str(chunks))
+            .replace("__SYNC__", "1" if kind == "ring" else "0")
+            .replace("__COMPUTE__", "0" if kind == "ring-copyonly" else "1")
+            .replace("__LL__", "1" if kind == "ring-ll" else "0")
         )
         self.kernel = torch.cuda._compile_kernel(source, "ring_chain")
         _allow_shared(self.kernel, self.shared)
-        rows = [  # the kernel's table: weight, x, y, N, K
-            [w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1]]
-            for x, w, y in chain.inputs()
+        # ring-ll: every output also as (tag << 16 | bf16 bits), the input's the GEMV before's
+        self.tagged = [
+            torch.zeros(w.shape[0], dtype=torch.int32, device="cuda") for w in chain.weights
         ]
+        rows = [  # the kernel's table: weight, x, y, N, K, tagged x, tagged y
+            [w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1],
+             self.tagged[i - 1].data_ptr() if i else 0, self.tagged[i].data_ptr()]
+            for i, (x, w, y) in enumerate(chain.inputs())
+        ]  # fmt: skip
         self.table = torch.tensor(rows, dtype=torch.int64, device="cuda")
         self.ready = torch.zeros(len(rows), dtype=torch.int32, device="cuda")
-        self.done = torch.zeros(1, dtype=torch.int32, device="cuda")
+        self.done = torch.zeros(2, dtype=torch.int32, device="cuda")  # arrivals, launches
         self.err = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.config = config
-        self.blocks = torch.cuda.get_device_properties().multi_processor_count
 
     def run(self) -> None:
         self.kernel(
             grid=(self.blocks, 1, 1),
-            block=(self.config.threads, 1, 1),
+            block=(self.config.block_threads, 1, 1),
             args=[self.table, self.table.shape[0], self.ready, self.done, self.err],
             shared_mem=self.shared,
         )
@@ -385,10 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict = {"library": library}
     result: dict = {"meta": _meta(chain), "variants": {}}
     for config in configs:
-        for sync in (True, False):
-            name = f"ring{'' if sync else '-nosync'} {config.label}"
+        for kind in KINDS:
+            name = f"{kind} {config.label}"
             try:
-                ring = Ring(chain, config, sync)
+                ring = Ring(chain, config, kind)
                 variants[name] = (ring.run, ring)
             except Exception as e:
                 result["variants"][name] = {"status": f"unavailable: {type(e).__name__}: {e}"[:400]}
@@ -416,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
-    synced = [r for n, r in result["variants"].items() if not n.startswith("ring-nosync")]
+    synced = [r for n, r in result["variants"].items() if n.split()[0] in ("library", "ring")]
     return 0 if all(r.get("correct") for r in synced) else 1
 
 
@@ -424,8 +522,8 @@ def _smoke(configs: list[RingConfig]) -> int:
     """No GPU: the kernel's schedule for the chain's shapes and the configs' limits."""
     for config in configs:
         check_shapes(LAYER, config)
-        max_k = max(k for _, _, k in LAYER)
-        print(f"{config.label}: {config.shared_bytes(max_k)} B of shared memory")
+        chunks = max_chunks(LAYER, SMOKE_BLOCKS, config.stage_bytes)
+        print(f"{config.label}: {config.shared_bytes(chunks)} B of shared memory")
     for name, n, k in LAYER + SMOKE_LAYER:
         sched = schedule(n, k, SMOKE_BLOCKS, configs[0].stage_bytes if configs else 16384)
         rows = [sum(r for _, r in chunks) for chunks in sched]
