@@ -31,10 +31,18 @@ Variants, each a CUDA graph replayed after warm-up (median of CUDA-event timings
 process, alternated over ``--rounds``:
 - ``library``: ``graphattn.kernels.gemv`` as the step runs it (64 launches, PDL on Hopper);
 - ``ring tT/bB/sS``: the kernel above, T multiplying threads a block, S slots of B bytes;
-- ``ring-ll ...``: no counters: each output is also stored as one 32-bit word, its bf16
+- ``ring-ll[/sleepN] ...``: no counters: each output is also stored as one 32-bit word, its bf16
   bits under the launch's tag (NCCL's low-latency protocol uses the same idea), and each
   thread polls its own input words until all carry the tag, so a GEMV's wait is one read
-  of the data it needs instead of a counter read, a barrier and then the data;
+  of the data it needs instead of a counter read, a barrier and then the data
+  (``/sleepN``: the reader sleeps N ns between polls, ``--ll-sleeps``);
+- ``ring .../mma``: the same ring, but the products on the tensor cores: a chunk is 8 rows
+  x ``B / 16`` columns (one bulk copy a row), and each warp runs ``mma.sync`` m16n8k16 with
+  the 8 weight rows as B and the input as A (the same on all 16 rows of A), so D holds the
+  8 rows' dot products; the row consumer spends two instructions an element (unpack, FMA)
+  and an mma covers 128 weights; ``.../mma-packed``: the same over a copy of the weights
+  packed so that each chunk is one contiguous bulk copy (``pack``), with whole groups of
+  8 rows a block;
 - ``ring-nosync ...``: the same without the waits: a wrong answer (a GEMV reads its input
   before it is written), timed as the bound of what synchronisation costs;
 - ``ring-copyonly ...``: without the waits and without the products: what the weight
@@ -68,7 +76,7 @@ from benchmarks import attention as ab  # noqa: E402
 from benchmarks.pdl_chain import LAYER, SMOKE_LAYER, Chain  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # an H100/H200 block's opt-in shared memory
-DEFAULT_CONFIGS = "512,16384,13;256,16384,13;512,32768,6"
+DEFAULT_CONFIGS = "512,16384,13;512,16384,12,2;512,16384,8,2;256,16384,12,2;512,32768,6,2"
 SMOKE_BLOCKS = 132  # an H100/H200's SMs, for the smoke run's schedule
 SANE_REL_ERR = 0.05  # largest |output - fp32 reference| / largest |reference|
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -85,6 +93,7 @@ _SOURCE = r"""
 #define SYNC __SYNC__
 #define COMPUTE __COMPUTE__
 #define LL __LL__  /* 1: each output carries the launch's tag; readers poll the data itself */
+#define LL_SLEEP __LL_SLEEP__  /* ns between a reader's polls (0: none) */
 #define NW (NT / 32)
 #define STAGE_ELEMS (STAGE_BYTES / 2)
 #define PIECES (STAGE_BYTES / 16)  /* 16-byte pieces (8 bf16) a stage holds */
@@ -256,6 +265,7 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
                               & (b.z >> 16 == tag) & (b.w >> 16 == tag);
                         if (t) break;
                         if (spins == SPIN_LIMIT) { atomicExch(err, 1u); break; }
+                        if (LL_SLEEP) __nanosleep(LL_SLEEP);  /* less traffic on L2 */
                     }
                     x[j][0] = lo(a.x); x[j][1] = lo(a.y); x[j][2] = lo(a.z); x[j][3] = lo(a.w);
                     x[j][4] = lo(b.x); x[j][5] = lo(b.y); x[j][6] = lo(b.z); x[j][7] = lo(b.w);
@@ -312,11 +322,181 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
 """
 
 
+# The tensor-core consumer: chunks of 8 rows x COLS columns (one bulk copy a row), and a
+# warp's products as mma.sync m16n8k16 with the weights as B (8 rows = n) and the input as
+# A, the same on all 16 rows of m: D[m][n] is then row n's dot product on every m.
+_MMA_BODY = r"""
+#define COLS (STAGE_BYTES / 16)         /* columns of a chunk: 8 rows of COLS bf16 */
+#define PACKED __PACKED__              /* 1: the weights prepacked, a chunk contiguous */
+#define PITCH (COLS * 2 + 64)           /* bytes between a slot's rows (spreads the banks) */
+#define SLOT (PACKED ? STAGE_BYTES : 8 * PITCH)
+#define STEPS (COLS / 32 / NW)          /* 32-column steps of a warp in a chunk */
+#define MAX_GROUPS __MAX_GROUPS__
+#define MAX_K __MAX_K__
+
+struct Groups {  /* block b's rows [r0, r1) of GEMV g, in groups of 8, each in k / COLS chunks */
+    const char* w; const char* x; unsigned short* y; int k, r0, r1, groups, per_group, chunks;
+};
+
+__device__ __forceinline__ Groups groups_of(const i64* table, int g) {
+    const i64* t = table + 7 * g;
+    Groups s;
+    s.w = (const char*)t[0];
+    s.x = (const char*)t[1];
+    s.y = (unsigned short*)t[2];
+    int n = (int)t[3];
+    s.k = (int)t[4];
+    if (PACKED) {  /* whole groups of 8 rows a block */
+        s.r0 = (int)((i64)(n / 8) * blockIdx.x / gridDim.x) * 8;
+        s.r1 = (int)((i64)(n / 8) * (blockIdx.x + 1) / gridDim.x) * 8;
+    } else {
+        s.r0 = (int)((i64)n * blockIdx.x / gridDim.x);
+        s.r1 = (int)((i64)n * (blockIdx.x + 1) / gridDim.x);
+    }
+    s.groups = (s.r1 - s.r0 + 7) / 8;
+    s.per_group = s.k / COLS;
+    s.chunks = s.groups * s.per_group;
+    return s;
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a0), "r"(a1), "r"(a1), "r"(b0), "r"(b1));
+}
+
+/* Thread (g = lane / 4, t = lane % 4) of a warp reads 16 bytes of row g of the chunk at
+   columns c + 8t .. c + 8t + 7 and the input's same 8 columns: the first 4 are its k slots
+   2t, 2t+1, 2t+8, 2t+9 of one mma, the last 4 of a second. Summing over k does not care
+   which column sits in which slot as long as A and B agree. */
+extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
+    const i64* table, int num_gemvs, u32* ready, u32* done, u32* err)
+{
+    extern __shared__ __align__(16) char smem[];
+    char* xs = smem + STAGES * SLOT;                         /* [MAX_K] bf16: the input */
+    float* part = (float*)(xs + 2 * MAX_K);                  /* [MAX_GROUPS][NW][8] */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+    const u32 ring = shared_addr(smem), xsa = shared_addr(xs);
+    const u32 full = shared_addr(part + MAX_GROUPS * NW * 8);
+    const u32 empty = full + 8 * STAGES;
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            bar_init(full + 8 * s, 1);
+            bar_init(empty + 8 * s, NW);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid >= NT) {  /* the copy warp: one bulk copy a row of each chunk, a ring ahead */
+        if (tid == NT) {
+            int seq = 0;
+            for (int g = 0; g < num_gemvs; ++g) {
+                Groups sh = groups_of(table, g);
+                for (int c = 0; c < sh.chunks; ++c, ++seq) {
+                    int slot = seq % STAGES, use = seq / STAGES;
+                    if (use > 0) bar_wait(empty + 8 * slot, (use - 1) & 1);
+                    u32 bar = full + 8 * slot, dst = ring + (u32)slot * SLOT;
+                    if (PACKED) {  /* chunk (group, column chunk): STAGE_BYTES in a row */
+                        const char* src = sh.w + ((i64)(sh.r0 / 8) * sh.per_group + c) * STAGE_BYTES;
+                        bulk_copy(dst, src, STAGE_BYTES, bar);
+                        continue;
+                    }
+                    int r = sh.r0 + (c / sh.per_group) * 8, col = (c % sh.per_group) * COLS;
+                    int nr = min(8, sh.r1 - r);
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                                 :: "r"(bar), "r"((u32)(nr * COLS * 2)) : "memory");
+                    for (int i = 0; i < nr; ++i) {
+                        const char* src = sh.w + ((i64)(r + i) * sh.k + col) * 2;
+                        asm volatile(
+                            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                            " [%0], [%1], %2, [%3];"
+                            :: "r"(dst + i * PITCH), "l"(src), "r"(COLS * 2), "r"(bar)
+                            : "memory");
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    const int gq = lane / 4, tq = lane % 4;
+    int seq = 0;
+    for (int g = 0; g < num_gemvs; ++g) {
+        Groups sh = groups_of(table, g);
+        if (sh.chunks > 0) {
+            if (SYNC && g > 0) {
+                if (tid == 0) {
+                    u32 spins = 0;
+                    while (load_acquire(ready + g - 1) < gridDim.x) {
+                        if (++spins == SPIN_LIMIT) { atomicExch(err, 1u); break; }
+                    }
+                }
+                consumers_sync();
+            }
+            for (int i = tid; i < sh.k / 8; i += NT)  /* the input, once, through L2 */
+                *(U4*)(xs + i * 16) = load_l2(sh.x + (i64)i * 16);
+            consumers_sync();
+            for (int grp = 0; grp < sh.groups; ++grp) {
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+                for (int cc = 0; cc < sh.per_group; ++cc, ++seq) {
+                    const int slot = seq % STAGES;
+                    bar_wait(full + 8 * slot, (seq / STAGES) & 1);
+                    if (COMPUTE) {
+                        #pragma unroll
+                        for (int s = 0; s < STEPS; ++s) {
+                            const int c = (warp * STEPS + s) * 32 + 8 * tq;  /* in the chunk */
+                            /* packed: [piece of 8 columns][row][8], so a warp's 32 loads
+                               are 512 consecutive bytes */
+                            const u32 at = PACKED ? ((c / 8) * 8 + gq) * 16 : gq * PITCH + c * 2;
+                            U4 w = load_shared(ring + (u32)slot * SLOT + at);
+                            U4 x = load_shared(xsa + (cc * COLS + c) * 2);
+                            mma_bf16(d, x.x, x.y, w.x, w.y);
+                            mma_bf16(d, x.z, x.w, w.z, w.w);
+                        }
+                    }
+                    __syncwarp();
+                    if (lane == 0) bar_arrive(empty + 8 * slot);
+                }
+                if (gq == 0) {  /* lanes 0-3 hold rows 2t and 2t + 1 of the group */
+                    part[(grp * NW + warp) * 8 + 2 * tq] = d[0];
+                    part[(grp * NW + warp) * 8 + 2 * tq + 1] = d[1];
+                }
+            }
+            consumers_sync();
+            for (int i = tid; i < sh.r1 - sh.r0; i += NT) {  /* a thread a row */
+                const float* p = part + (i / 8) * NW * 8 + (i % 8);
+                float s = 0.f;
+                for (int q = 0; q < NW; ++q) s += p[q * 8];
+                sh.y[sh.r0 + i] = to_bf16(s);
+            }
+        }
+        consumers_sync();
+        if (tid == 0) add_release(ready + g, 1u);
+    }
+    if (tid == 0) {
+        __threadfence();
+        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            for (int g = 0; g < num_gemvs; ++g) ready[g] = 0;
+            done[0] = 0;
+            done[1] += 1;
+            __threadfence();
+        }
+    }
+}
+"""
+
+
 @dataclass(frozen=True)
 class RingConfig:
     threads: int = 512
     stage_bytes: int = 16384
     stages: int = 8
+    # 0: the row consumer; 1: the tensor-core consumer (_MMA_BODY), a bulk copy a row of a
+    # chunk; 2: the same over weights prepacked so that a chunk is one contiguous copy
+    mma: int = 0
 
     def __post_init__(self) -> None:
         if self.threads % 32 or not 32 <= self.threads <= 1024:
@@ -326,22 +506,30 @@ class RingConfig:
                 f"stage_bytes must be a multiple of 16 x threads ({16 * self.threads}), "
                 f"got {self.stage_bytes}"
             )
+        if self.mma not in (0, 1, 2):
+            raise ValueError(f"mma must be 0, 1 or 2, got {self.mma}")
         if self.stages < 2:
             raise ValueError(f"stages must be >= 2, got {self.stages}")
 
     @property
     def label(self) -> str:
-        return f"t{self.threads}/b{self.stage_bytes}/s{self.stages}"
+        suffix = ("", "/mma", "/mma-packed")[self.mma]
+        return f"t{self.threads}/b{self.stage_bytes}/s{self.stages}{suffix}"
 
     @property
     def block_threads(self) -> int:
         return self.threads + 32  # and the copy warp
 
-    def shared_bytes(self, max_chunks: int) -> int:
-        """The ring, then one fp32 partial per warp of each of a block's chunks of one GEMV
-        (``max_chunks`` at most), then two mbarriers a stage."""
-        partials = 4 * max_chunks * (self.threads // 32)
-        return self.stages * self.stage_bytes + partials + 16 * self.stages
+    def shared_bytes(self, max_chunks: int, max_k: int = 0) -> int:
+        """The row consumer: the ring, then one fp32 partial per warp of each of a block's
+        chunks of one GEMV (``max_chunks`` at most), then two mbarriers a stage. The mma
+        consumer (``max_chunks`` counts groups of 8 rows there): the ring of padded 8-row
+        slots, the input in bf16, 8 partials per warp and group, the mbarriers."""
+        warps = self.threads // 32
+        if self.mma:
+            slot = self.stage_bytes if self.mma == 2 else 8 * (self.stage_bytes // 8 + 64)
+            return self.stages * slot + 2 * max_k + 4 * max_chunks * warps * 8 + 16 * self.stages
+        return self.stages * self.stage_bytes + 4 * max_chunks * warps + 16 * self.stages
 
 
 def max_chunks(shapes, blocks: int, stage_bytes: int) -> int:
@@ -349,12 +537,27 @@ def max_chunks(shapes, blocks: int, stage_bytes: int) -> int:
     return max(len(chunks) for _, n, k in shapes for chunks in schedule(n, k, blocks, stage_bytes))
 
 
+def partial_units(shapes, blocks: int, config: RingConfig) -> int:
+    """What a block keeps partials for, at most, in one GEMV: its chunks (the row
+    consumer) or its groups of 8 rows (the mma consumer)."""
+    if not config.mma:
+        return max_chunks(shapes, blocks, config.stage_bytes)
+    if config.mma == 2:  # whole groups a block
+        return max((n // 8) * (b + 1) // blocks - (n // 8) * b // blocks
+                   for _, n, _ in shapes for b in range(blocks))  # fmt: skip
+    return max(
+        -(-(n * (b + 1) // blocks - n * b // blocks) // 8)
+        for _, n, _ in shapes
+        for b in range(blocks)
+    )
+
+
 def parse_configs(text: str) -> list[RingConfig]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         fields = [int(f) for f in part.split(",")]
-        if len(fields) != 3:
-            raise ValueError(f"a config is threads,stage_bytes,stages; got {part!r}")
+        if len(fields) not in (3, 4) or fields[3:] not in ([], [0], [1], [2]):
+            raise ValueError(f"a config is threads,stage_bytes,stages[,mma 0/1/2]; got {part!r}")
         out.append(RingConfig(*fields))
     return out
 
@@ -363,6 +566,14 @@ def check_shapes(shapes, config: RingConfig) -> None:
     """The kernel's limits on a GEMV: a stage holds whole rows (K divides its elements), and
     the threads split evenly over a chunk's rows."""
     elems = config.stage_bytes // 2
+    if config.mma:  # chunks of 8 rows x cols (a multiple of the threads: whole warp steps)
+        cols = config.stage_bytes // 16
+        for name, n, k in shapes:
+            if k % cols:
+                raise ValueError(f"{name}: K={k} must be a multiple of a chunk's {cols} columns")
+            if config.mma == 2 and n % 8:
+                raise ValueError(f"{name}: N={n} must be a multiple of 8 to pack")
+        return
     for name, _, k in shapes:
         if k % 8 or elems % k or config.threads % (elems // k):
             raise ValueError(
@@ -384,24 +595,36 @@ def schedule(n: int, k: int, blocks: int, stage_bytes: int) -> list[list[tuple[i
 class Ring:
     """The compiled kernel for one config, its descriptor table and counters for a chain."""
 
-    def __init__(self, chain: Chain, config: RingConfig, kind: str = "ring") -> None:
+    def __init__(
+        self, chain: Chain, config: RingConfig, kind: str = "ring", ll_sleep: int = 0
+    ) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         shapes = [(f"gemv{i}", w.shape[0], w.shape[1]) for i, w in enumerate(chain.weights)]
         check_shapes(shapes, config)
         self.blocks = torch.cuda.get_device_properties().multi_processor_count
-        chunks = max_chunks(shapes, self.blocks, config.stage_bytes)
-        self.shared = config.shared_bytes(chunks)
+        if config.mma and kind == "ring-ll":
+            raise ValueError("ring-ll has no mma consumer")
+        max_k = max(k for _, _, k in shapes)
+        chunks = partial_units(shapes, self.blocks, config)
+        self.shared = config.shared_bytes(chunks, max_k)
         if self.shared > SHARED_LIMIT:
             raise ValueError(f"{config.label} needs {self.shared} B of shared memory")
+        base = _SOURCE
+        if config.mma:  # the helpers, then the mma kernel
+            base = _SOURCE[: _SOURCE.index("/* Block b's rows")] + _MMA_BODY
         source = (
-            _SOURCE.replace("__THREADS__", str(config.threads))
+            base.replace("__THREADS__", str(config.threads))
             .replace("__STAGES__", str(config.stages))
             .replace("__STAGE_BYTES__", str(config.stage_bytes))
             .replace("__MAX_CHUNKS__", str(chunks))
             .replace("__SYNC__", "1" if kind == "ring" else "0")
             .replace("__COMPUTE__", "0" if kind == "ring-copyonly" else "1")
             .replace("__LL__", "1" if kind == "ring-ll" else "0")
+            .replace("__LL_SLEEP__", str(ll_sleep))
+            .replace("__MAX_GROUPS__", str(chunks))
+            .replace("__MAX_K__", str(max_k))
+            .replace("__PACKED__", "1" if config.mma == 2 else "0")
         )
         self.kernel = torch.cuda._compile_kernel(source, "ring_chain")
         _allow_shared(self.kernel, self.shared)
@@ -409,8 +632,11 @@ class Ring:
         self.tagged = [
             torch.zeros(w.shape[0], dtype=torch.int32, device="cuda") for w in chain.weights
         ]
+        # mma 2: [group of 8 rows][chunk of cols][8 columns][row][8], a chunk contiguous
+        self.packed = [pack(w, config.stage_bytes // 16) if config.mma == 2 else w
+                       for w in chain.weights]  # fmt: skip
         rows = [  # the kernel's table: weight, x, y, N, K, tagged x, tagged y
-            [w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1],
+            [self.packed[i].data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1],
              self.tagged[i - 1].data_ptr() if i else 0, self.tagged[i].data_ptr()]
             for i, (x, w, y) in enumerate(chain.inputs())
         ]  # fmt: skip
@@ -427,6 +653,14 @@ class Ring:
             args=[self.table, self.table.shape[0], self.ready, self.done, self.err],
             shared_mem=self.shared,
         )
+
+
+def pack(w: torch.Tensor, cols: int) -> torch.Tensor:
+    """``w`` [N, K] as [N / 8, K / cols, cols / 8, 8, 8]: groups of 8 rows, chunks of
+    ``cols`` columns, and in a chunk each 8 columns of the 8 rows together, so that a warp's
+    16-byte loads of 8 rows x 32 columns are 512 consecutive bytes."""
+    n, k = w.shape
+    return w.view(n // 8, 8, k // cols, cols // 8, 8).permute(0, 2, 3, 1, 4).contiguous()
 
 
 def _allow_shared(kernel, nbytes: int) -> None:
@@ -465,9 +699,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--kinds", default=",".join(KINDS), help="which of " + ", ".join(KINDS))
+    p.add_argument(
+        "--ll-sleeps", default="0,100", help="ns a ring-ll reader sleeps between polls; one each"
+    )
     p.add_argument("--out", help="JSON path")
     a = p.parse_args(argv)
     configs = parse_configs(a.configs)
+    kinds = [k for k in a.kinds.split(",") if k]
+    if not kinds or set(kinds) - set(KINDS):
+        p.error(f"--kinds takes some of {', '.join(KINDS)}, got {a.kinds!r}")
+    sleeps = [int(v) for v in a.ll_sleeps.split(",") if v]
     if a.smoke or not torch.cuda.is_available():
         return _smoke(configs)
     from graphattn.kernels.gemv import gemv
@@ -483,14 +725,18 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict = {"library": library}
     result: dict = {"meta": _meta(chain), "variants": {}}
     for config in configs:
-        for kind in KINDS:
-            name = f"{kind} {config.label}"
-            try:
-                ring = Ring(chain, config, kind)
-                variants[name] = (ring.run, ring)
-            except Exception as e:
-                result["variants"][name] = {"status": f"unavailable: {type(e).__name__}: {e}"[:400]}
-                traceback.print_exc()
+        for kind in kinds:
+            if config.mma and kind == "ring-ll":
+                continue
+            for sleep in sleeps if kind == "ring-ll" else [0]:
+                name = f"{kind}{f'/sleep{sleep}' if sleep else ''} {config.label}"
+                try:
+                    ring = Ring(chain, config, kind, sleep)
+                    variants[name] = (ring.run, ring)
+                except Exception as e:
+                    status = f"unavailable: {type(e).__name__}: {e}"[:400]
+                    result["variants"][name] = {"status": status}
+                    traceback.print_exc()
     for _ in range(a.rounds):
         for name, entry in variants.items():
             run, ring = entry if isinstance(entry, tuple) else (entry, None)
@@ -522,8 +768,9 @@ def _smoke(configs: list[RingConfig]) -> int:
     """No GPU: the kernel's schedule for the chain's shapes and the configs' limits."""
     for config in configs:
         check_shapes(LAYER, config)
-        chunks = max_chunks(LAYER, SMOKE_BLOCKS, config.stage_bytes)
-        print(f"{config.label}: {config.shared_bytes(chunks)} B of shared memory")
+        chunks = partial_units(LAYER, SMOKE_BLOCKS, config)
+        max_k = max(k for _, _, k in LAYER)
+        print(f"{config.label}: {config.shared_bytes(chunks, max_k)} B of shared memory")
     for name, n, k in LAYER + SMOKE_LAYER:
         sched = schedule(n, k, SMOKE_BLOCKS, configs[0].stage_bytes if configs else 16384)
         rows = [sum(r for _, r in chunks) for chunks in sched]
