@@ -5,7 +5,7 @@
 # (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
 # pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py),
 # mlp (benchmarks/fused_mlp.py), nodes (benchmarks/graph_nodes.py, GA_NODES_BATCHES),
-# persistent (benchmarks/persistent_chain.py), trace (decode.py's continuous-batching trace
+# persistent (benchmarks/persistent_chain.py), cuda (benchmarks/cuda_chain.py, GA_CUDA_ARGS), trace (decode.py's continuous-batching trace
 # alone, with the reduce-overhead baseline given the time the full run cannot give it), demo. Extra pytest/benchmark arguments come
 # from GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
@@ -42,6 +42,8 @@ for part in "$@"; do
     persistent) python3 benchmarks/persistent_chain.py --layer-scope --rounds 5 \
              --out "$OUT/persistent_chain.json" 2>&1 \
              | tee "$OUT/persistent_chain.log" | tail -40; rc=${PIPESTATUS[0]} ;;
+    cuda) eval "python3 benchmarks/cuda_chain.py --out $OUT/cuda_chain.json ${GA_CUDA_ARGS:-}" 2>&1 \
+             | tee "$OUT/cuda_chain.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     tiles) python3 benchmarks/gemv_tiles.py --out "$OUT/gemv_tiles.json" 2>&1 \
              | tee "$OUT/gemv_tiles.log" | tail -150; rc=${PIPESTATUS[0]} ;;
     pdl) python3 benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" 2>&1 \
