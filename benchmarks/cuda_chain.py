@@ -43,6 +43,11 @@ process, alternated over ``--rounds``:
   and an mma covers 128 weights; ``.../mma-packed``: the same over a copy of the weights
   packed so that each chunk is one contiguous bulk copy (``pack``), with whole groups of
   8 rows a block;
+- ``ring .../warp``: the row consumer's chunks, but each chunk is one warp's alone (chunk i
+  goes to warp i mod W, and a slot always to the same warp): a warp's wait, loads, products
+  and shuffles for one chunk overlap the other warps' chunks, where the row consumer has
+  every warp touch every chunk; the input sits in shared memory, double-buffered, and each
+  warp signals its own end of a GEMV;
 - ``ring-nosync ...``: the same without the waits: a wrong answer (a GEMV reads its input
   before it is written), timed as the bound of what synchronisation costs;
 - ``ring-copyonly ...``: without the waits and without the products: what the weight
@@ -178,16 +183,44 @@ __device__ __forceinline__ unsigned short to_bf16(float f) {  /* round to neares
     return (unsigned short)(u >> 16);
 }
 
-/* Thread 0 waits until every block has finished GEMV g (its release add); then the
-   consumers' barrier passes the news on. */
-__device__ __forceinline__ void wait_for_gemv(const u32* ready, int g, u32* err) {
+/* Thread 0 waits until GEMV g's release adds reach `arrivals` (one a block, or one a warp
+   of every block); then the consumers' barrier passes the news on. */
+__device__ __forceinline__ void wait_for_gemv(const u32* ready, int g, u32 arrivals, u32* err) {
     if (threadIdx.x == 0) {
         u32 spins = 0;
-        while (load_acquire(ready + g) < gridDim.x) {
+        while (load_acquire(ready + g) < arrivals) {
             if (++spins == SPIN_LIMIT) { atomicExch(err, 1u); break; }
         }
     }
     consumers_sync();
+}
+
+/* Row g of the kernel's table: weight, x, y, N, K, tagged x, tagged y. */
+struct Gemv {
+    const char* w; const char* x; unsigned short* y; const u32* xt; u32* yt; int n, k;
+};
+
+__device__ __forceinline__ Gemv gemv_of(const i64* table, int g) {
+    const i64* t = table + 7 * g;
+    Gemv m;
+    m.w = (const char*)t[0];
+    m.x = (const char*)t[1];
+    m.y = (unsigned short*)t[2];
+    m.n = (int)t[3];
+    m.k = (int)t[4];
+    m.xt = (const u32*)t[5];  /* the input with tags (GEMV g-1's), null for the first */
+    m.yt = (u32*)t[6];
+    return m;
+}
+
+/* This block's balanced share [first, end) of `units` units (rows, or groups of 8 rows). */
+struct Range { int first, end; };
+
+__device__ __forceinline__ Range block_range(int units) {
+    Range r;
+    r.first = (int)((i64)units * blockIdx.x / gridDim.x);
+    r.end = (int)((i64)units * (blockIdx.x + 1) / gridDim.x);
+    return r;
 }
 
 /* The last block out sets the counters back and moves the tag on (done[1] cycles through
@@ -205,7 +238,7 @@ __device__ __forceinline__ void finish_launch(u32* ready, int num_gemvs, u32* do
 }
 """
 
-_ROW_BODY = r"""
+_ROWS = r"""
 /* Block b's rows of GEMV g: [r0, r1), in chunks of `rows` whole rows (k elements each). */
 struct Share {
     const char* w; const char* x; unsigned short* y; const u32* xt; u32* yt;
@@ -213,22 +246,37 @@ struct Share {
 };
 
 __device__ __forceinline__ Share share_of(const i64* table, int g) {
-    const i64* t = table + 7 * g;
+    const Gemv m = gemv_of(table, g);
+    const Range range = block_range(m.n);
     Share s;
-    s.w = (const char*)t[0];
-    s.x = (const char*)t[1];
-    s.y = (unsigned short*)t[2];
-    int n = (int)t[3];
-    s.k = (int)t[4];
-    s.xt = (const u32*)t[5];  /* the input with tags (GEMV g-1's), null for the first */
-    s.yt = (u32*)t[6];
-    s.r0 = (int)((i64)n * blockIdx.x / gridDim.x);
-    s.r1 = (int)((i64)n * (blockIdx.x + 1) / gridDim.x);
+    s.w = m.w; s.x = m.x; s.y = m.y; s.xt = m.xt; s.yt = m.yt; s.k = m.k;
+    s.r0 = range.first;
+    s.r1 = range.end;
     s.rows = STAGE_ELEMS / s.k;
     s.chunks = (s.r1 - s.r0 + s.rows - 1) / s.rows;
     return s;
 }
 
+/* The copy warp's lane 0: every chunk of the chain in order, one bulk copy each into slot
+   seq % STAGES once the slot's previous use has been freed. */
+__device__ __forceinline__ void copy_chunks(const i64* table, int num_gemvs, u32 ring,
+                                            u32 full, u32 empty) {
+    int seq = 0;
+    for (int g = 0; g < num_gemvs; ++g) {
+        Share sh = share_of(table, g);
+        for (int c = 0; c < sh.chunks; ++c, ++seq) {
+            int slot = seq % STAGES, use = seq / STAGES;
+            if (use > 0) bar_wait(empty + 8 * slot, (use - 1) & 1);
+            int r = sh.r0 + c * sh.rows;
+            u32 bytes = (u32)(min(sh.rows, sh.r1 - r) * sh.k * 2);
+            bulk_copy(ring + (u32)slot * STAGE_BYTES, sh.w + (i64)r * sh.k * 2, bytes,
+                      full + 8 * slot);
+        }
+    }
+}
+"""
+
+_ROW_BODY = r"""
 /* Warp NT / 32 copies; threads 0..NT-1 multiply. In a chunk of `rows` rows, thread t works
    on row t / tpr (tpr = NT / rows threads a row), pieces t % tpr + j * tpr of it; a warp's
    threads share a row, so each warp sums its partial of the chunk at once (shuffles) into
@@ -260,20 +308,7 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
     }
     __syncthreads();
     if (tid >= NT) {  /* the copy warp: every chunk of the chain, up to a ring ahead */
-        if (tid == NT) {
-            int seq = 0;
-            for (int g = 0; g < num_gemvs; ++g) {
-                Share sh = share_of(table, g);
-                for (int c = 0; c < sh.chunks; ++c, ++seq) {
-                    int slot = seq % STAGES, use = seq / STAGES;
-                    if (use > 0) bar_wait(empty + 8 * slot, (use - 1) & 1);
-                    int r = sh.r0 + c * sh.rows;
-                    u32 bytes = (u32)(min(sh.rows, sh.r1 - r) * sh.k * 2);
-                    bulk_copy(ring + (u32)slot * STAGE_BYTES, sh.w + (i64)r * sh.k * 2, bytes,
-                              full + 8 * slot);
-                }
-            }
-        }
+        if (tid == NT) copy_chunks(table, num_gemvs, ring, full, empty);
         return;
     }
 
@@ -282,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
         Share sh = share_of(table, g);
         if (sh.chunks > 0) {
             const int tpr = NT / sh.rows, row_in = tid / tpr, first = tid % tpr;
-            if (SYNC && g > 0) wait_for_gemv(ready, g - 1, err);
+            if (SYNC && g > 0) wait_for_gemv(ready, g - 1, gridDim.x, err);
             float x[PASSES][8];  /* this thread's columns of the input, the same every chunk */
             #pragma unroll
             for (int j = 0; j < PASSES; ++j) {
@@ -363,19 +398,17 @@ struct Groups {  /* block b's rows [r0, r1) of GEMV g, in groups of 8, each in k
 };
 
 __device__ __forceinline__ Groups groups_of(const i64* table, int g) {
-    const i64* t = table + 7 * g;
+    const Gemv m = gemv_of(table, g);
     Groups s;
-    s.w = (const char*)t[0];
-    s.x = (const char*)t[1];
-    s.y = (unsigned short*)t[2];
-    int n = (int)t[3];
-    s.k = (int)t[4];
+    s.w = m.w; s.x = m.x; s.y = m.y; s.k = m.k;
     if (PACKED) {  /* whole groups of 8 rows a block */
-        s.r0 = (int)((i64)(n / 8) * blockIdx.x / gridDim.x) * 8;
-        s.r1 = (int)((i64)(n / 8) * (blockIdx.x + 1) / gridDim.x) * 8;
+        const Range range = block_range(m.n / 8);
+        s.r0 = range.first * 8;
+        s.r1 = range.end * 8;
     } else {
-        s.r0 = (int)((i64)n * blockIdx.x / gridDim.x);
-        s.r1 = (int)((i64)n * (blockIdx.x + 1) / gridDim.x);
+        const Range range = block_range(m.n);
+        s.r0 = range.first;
+        s.r1 = range.end;
     }
     s.groups = (s.r1 - s.r0 + 7) / 8;
     s.per_group = s.k / COLS;
@@ -451,7 +484,7 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
     for (int g = 0; g < num_gemvs; ++g) {
         Groups sh = groups_of(table, g);
         if (sh.chunks > 0) {
-            if (SYNC && g > 0) wait_for_gemv(ready, g - 1, err);
+            if (SYNC && g > 0) wait_for_gemv(ready, g - 1, gridDim.x, err);
             for (int i = tid; i < sh.k / 8; i += NT)  /* the input, once, through L2 */
                 *(U4*)(xs + i * 16) = load_l2(sh.x + (i64)i * 16);
             consumers_sync();
@@ -497,14 +530,116 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
 """
 
 
+# The warp consumer: a chunk (the row consumer's: whole rows, one bulk copy) is one warp's
+# alone, so a warp's wait, loads, products and sums for one chunk overlap the other warps'
+# chunks instead of every warp touching every chunk; rows need no partials across warps.
+_WARP_BODY = r"""
+#define MAX_K __MAX_K__
+#define MAX_ROWS __MAX_ROWS__  /* rows a chunk holds at the chain's smallest K */
+
+/* Chunk seq goes to warp seq % NW and slot seq % STAGES; STAGES is a multiple of NW, so a
+   slot always goes to the same warp, which waits for the slot's uses one after another (a
+   wait never looks more than one phase of the slot's mbarrier ahead). Lane l multiplies the
+   16-byte pieces l, l + 32, ... of each row of the chunk with the same pieces of the input,
+   which the block keeps in shared memory, double-buffered: a block loads GEMV g's input
+   while its slower warps may still read GEMV g-1's. Each warp signals its own end of a
+   GEMV (a release add), so a GEMV is done at NW adds a block. */
+extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
+    const i64* table, int num_gemvs, u32* ready, u32* done, u32* err)
+{
+    extern __shared__ __align__(16) char smem[];
+    char* xs = smem + STAGES * STAGE_BYTES;  /* [2][MAX_K] bf16: the input */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+    const u32 ring = shared_addr(smem), xsa = shared_addr(xs);
+    const u32 full = xsa + 4 * MAX_K;  /* [STAGES] mbarriers */
+    const u32 empty = full + 8 * STAGES;
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            bar_init(full + 8 * s, 1);
+            bar_init(empty + 8 * s, 1);  /* the slot's warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid >= NT) {
+        if (tid == NT) copy_chunks(table, num_gemvs, ring, full, empty);
+        return;
+    }
+
+    int seq = 0;  /* the sequence number of this block's first chunk of GEMV g */
+    for (int g = 0; g < num_gemvs; ++g) {
+        Share sh = share_of(table, g);
+        if (SYNC && g > 0) wait_for_gemv(ready, g - 1, gridDim.x * NW, err);
+        const u32 xb = xsa + (u32)(g & 1) * 2 * MAX_K;
+        for (int i = tid; i < sh.k / 8; i += NT)  /* the input, once, through L2 */
+            *(U4*)(xs + (g & 1) * 2 * MAX_K + i * 16) = load_l2(sh.x + (i64)i * 16);
+        consumers_sync();
+        const int pieces = sh.k / 8;  /* 16-byte pieces a row: a multiple of 64 */
+        for (int c = ((warp - seq) % NW + NW) % NW; c < sh.chunks; c += NW) {
+            const int s = seq + c, slot = s % STAGES;
+            bar_wait(full + 8 * slot, (s / STAGES) & 1);
+            const int r = sh.r0 + c * sh.rows, nr = min(sh.rows, sh.r1 - r);
+            if (COMPUTE) {
+                const u32 base = ring + (u32)slot * STAGE_BYTES;
+                float acc[MAX_ROWS][2];  /* two sums a row: pieces p and p + 32 */
+                #pragma unroll
+                for (int q = 0; q < MAX_ROWS; ++q) acc[q][0] = acc[q][1] = 0.f;
+                for (int p = lane; p < pieces; p += 64) {
+                    float x0[8], x1[8];
+                    const U4 a = load_shared(xb + p * 16), b = load_shared(xb + (p + 32) * 16);
+                    x0[0] = lo(a.x); x0[1] = hi(a.x); x0[2] = lo(a.y); x0[3] = hi(a.y);
+                    x0[4] = lo(a.z); x0[5] = hi(a.z); x0[6] = lo(a.w); x0[7] = hi(a.w);
+                    x1[0] = lo(b.x); x1[1] = hi(b.x); x1[2] = lo(b.y); x1[3] = hi(b.y);
+                    x1[4] = lo(b.z); x1[5] = hi(b.z); x1[6] = lo(b.w); x1[7] = hi(b.w);
+                    #pragma unroll
+                    for (int q = 0; q < MAX_ROWS; ++q) {
+                        if (q < nr) {
+                            const u32 row = base + (u32)(q * pieces) * 16;
+                            acc[q][0] = dot8(load_shared(row + p * 16), x0, acc[q][0]);
+                            acc[q][1] = dot8(load_shared(row + (p + 32) * 16), x1, acc[q][1]);
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int q = 0; q < MAX_ROWS; ++q) {
+                    float v = acc[q][0] + acc[q][1];
+                    #pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    if (lane == 0 && q < nr) sh.y[r + q] = to_bf16(v);
+                }
+            }
+            __syncwarp();
+            if (lane == 0) bar_arrive(empty + 8 * slot);
+        }
+        seq += sh.chunks;
+        __syncwarp();  /* the warp's rows stored before its lane 0 releases them */
+        if (lane == 0) add_release(ready + g, 1u);
+    }
+    consumers_sync();  /* every warp's last add in before the last block resets the counters */
+    finish_launch(ready, num_gemvs, done);
+}
+"""
+
+
+# The consumers by their config code: 0 the row consumer (_ROW_BODY); 1 the tensor-core
+# consumer (_MMA_BODY), a bulk copy a row of a chunk; 2 the same over weights prepacked so
+# that a chunk is one contiguous copy; 3 the warp consumer (_WARP_BODY), a chunk a warp.
+ROW, MMA, MMA_PACKED, WARP = range(4)
+CONSUMER_SUFFIX = ("", "/mma", "/mma-packed", "/warp")
+
+
 @dataclass(frozen=True)
 class RingConfig:
     threads: int = 512
     stage_bytes: int = 16384
     stages: int = 8
-    # 0: the row consumer; 1: the tensor-core consumer (_MMA_BODY), a bulk copy a row of a
-    # chunk; 2: the same over weights prepacked so that a chunk is one contiguous copy
-    mma: int = 0
+    consumer: int = ROW  # ROW, MMA, MMA_PACKED or WARP
+
+    @property
+    def mma(self) -> bool:
+        """Whether the tensor-core consumer multiplies (chunks of 8 rows)."""
+        return self.consumer in (MMA, MMA_PACKED)
 
     def __post_init__(self) -> None:
         if self.threads % 32 or not 32 <= self.threads <= MAX_THREADS:
@@ -512,19 +647,24 @@ class RingConfig:
                 f"threads must be a multiple of 32 in [32, {MAX_THREADS}] (the copy warp makes "
                 f"the block 32 more), got {self.threads}"
             )
-        if self.stage_bytes % (16 * self.threads):
+        if self.consumer != WARP and self.stage_bytes % (16 * self.threads):
             raise ValueError(
                 f"stage_bytes must be a multiple of 16 x threads ({16 * self.threads}), "
                 f"got {self.stage_bytes}"
             )
-        if self.mma not in (0, 1, 2):
-            raise ValueError(f"mma must be 0, 1 or 2, got {self.mma}")
+        if self.consumer not in (ROW, MMA, MMA_PACKED, WARP):
+            raise ValueError(f"consumer must be 0, 1, 2 or 3, got {self.consumer}")
         if self.stages < 2:
             raise ValueError(f"stages must be >= 2, got {self.stages}")
+        if self.consumer == WARP and self.stages % (self.threads // 32):
+            raise ValueError(
+                f"the warp consumer needs stages a multiple of its {self.threads // 32} warps "
+                f"(a slot always goes to one warp), got {self.stages}"
+            )
 
     @property
     def label(self) -> str:
-        suffix = ("", "/mma", "/mma-packed")[self.mma]
+        suffix = CONSUMER_SUFFIX[self.consumer]
         return f"t{self.threads}/b{self.stage_bytes}/s{self.stages}{suffix}"
 
     @property
@@ -535,10 +675,17 @@ class RingConfig:
         """The row consumer: the ring, then one fp32 partial per warp of each of a block's
         chunks of one GEMV (``max_chunks`` at most), then two mbarriers a stage. The mma
         consumer (``max_chunks`` counts groups of 8 rows there): the ring of padded 8-row
-        slots, the input in bf16, 8 partials per warp and group, the mbarriers."""
+        slots, the input in bf16, 8 partials per warp and group, the mbarriers. The warp
+        consumer: the ring, two bf16 inputs, the mbarriers."""
         warps = self.threads // 32
+        if self.consumer == WARP:
+            return self.stages * self.stage_bytes + 2 * 2 * max_k + 16 * self.stages
         if self.mma:
-            slot = self.stage_bytes if self.mma == 2 else 8 * (self.stage_bytes // 8 + 64)
+            slot = (
+                self.stage_bytes
+                if self.consumer == MMA_PACKED
+                else 8 * (self.stage_bytes // 8 + 64)
+            )
             return self.stages * slot + 2 * max_k + 4 * max_chunks * warps * 8 + 16 * self.stages
         partials = max_chunks * warps + (max_chunks * warps) % 2  # even: mbarriers 8-aligned
         return self.stages * self.stage_bytes + 4 * partials + 16 * self.stages
@@ -551,18 +698,22 @@ def max_chunks(shapes, blocks: int, stage_bytes: int) -> int:
 
 def partial_units(shapes, blocks: int, config: RingConfig) -> int:
     """What a block keeps partials for, at most, in one GEMV: its chunks (the row
-    consumer) or its groups of 8 rows (the mma consumer)."""
+    consumer) or its groups of 8 rows (the mma consumer); the warp consumer keeps none."""
+    if config.consumer == WARP:
+        return 0
     if not config.mma:
         return max_chunks(shapes, blocks, config.stage_bytes)
-    return max(len(groups) for _, n, _ in shapes for groups in row_groups(n, blocks, config.mma))
+    return max(
+        len(groups) for _, n, _ in shapes for groups in row_groups(n, blocks, config.consumer)
+    )
 
 
-def row_groups(n: int, blocks: int, mma: int) -> list[list[tuple[int, int]]]:
+def row_groups(n: int, blocks: int, consumer: int) -> list[list[tuple[int, int]]]:
     """Each block's groups of up to 8 rows of an N-row GEMV as (first row, rows), as the mma
-    kernel cuts them: a balanced range of rows (``mma`` 1) or of whole groups (2, packed)."""
+    kernel cuts them: a balanced range of rows (``MMA``) or of whole groups (``MMA_PACKED``)."""
     out = []
     for b in range(blocks):
-        if mma == 2:
+        if consumer == MMA_PACKED:
             r0, r1 = (n // 8) * b // blocks * 8, (n // 8) * (b + 1) // blocks * 8
         else:
             r0, r1 = n * b // blocks, n * (b + 1) // blocks
@@ -574,8 +725,10 @@ def parse_configs(text: str) -> list[RingConfig]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         fields = [int(f) for f in part.split(",")]
-        if len(fields) not in (3, 4) or fields[3:] not in ([], [0], [1], [2]):
-            raise ValueError(f"a config is threads,stage_bytes,stages[,mma 0/1/2]; got {part!r}")
+        if len(fields) not in (3, 4) or fields[3:] not in ([], [0], [1], [2], [3]):
+            raise ValueError(
+                f"a config is threads,stage_bytes,stages[,consumer 0/1/2/3]; got {part!r}"
+            )
         out.append(RingConfig(*fields))
     return out
 
@@ -583,14 +736,23 @@ def parse_configs(text: str) -> list[RingConfig]:
 def check_shapes(shapes, config: RingConfig) -> None:
     """The kernel's limits on a GEMV. Row consumer: a stage holds whole rows (K divides its
     elements) and each row gets whole warps (a warp's shuffles sum one row). Mma consumer:
-    K is whole chunks of columns, and packing needs whole groups of 8 rows."""
+    K is whole chunks of columns, and packing needs whole groups of 8 rows. Warp consumer:
+    a stage holds whole rows, of whole 512-column steps (a lane's two 16-byte pieces)."""
     elems = config.stage_bytes // 2
+    if config.consumer == WARP:
+        for name, _, k in shapes:
+            if k <= 0 or k % 512 or elems % k:
+                raise ValueError(
+                    f"{name}: K={k} must be a multiple of 512 that divides the stage's "
+                    f"{elems} elements"
+                )
+        return
     if config.mma:  # chunks of 8 rows x cols (a multiple of the threads: whole warp steps)
         cols = config.stage_bytes // 16
         for name, n, k in shapes:
             if k % cols:
                 raise ValueError(f"{name}: K={k} must be a multiple of a chunk's {cols} columns")
-            if config.mma == 2 and n % 8:
+            if config.consumer == MMA_PACKED and n % 8:
                 raise ValueError(f"{name}: N={n} must be a multiple of 8 to pack")
         return
     for name, _, k in shapes:
@@ -623,14 +785,15 @@ class Ring:
         shapes = [(f"gemv{i}", w.shape[0], w.shape[1]) for i, w in enumerate(chain.weights)]
         check_shapes(shapes, config)
         self.blocks = torch.cuda.get_device_properties().multi_processor_count
-        if config.mma and kind == "ring-ll":
-            raise ValueError("ring-ll has no mma consumer")
+        if config.consumer != ROW and kind == "ring-ll":
+            raise ValueError("ring-ll has only the row consumer")
         max_k = max(k for _, _, k in shapes)
         chunks = partial_units(shapes, self.blocks, config)
         self.shared = config.shared_bytes(chunks, max_k)
         if self.shared > SHARED_LIMIT:
             raise ValueError(f"{config.label} needs {self.shared} B of shared memory")
-        source = render_source(config, kind, chunks, max_k, ll_sleep)
+        max_rows = config.stage_bytes // 2 // min(k for _, _, k in shapes)
+        source = render_source(config, kind, chunks, max_k, ll_sleep, max_rows)
         # torch.cuda._compile_kernel (NVRTC, private): present in torch 2.11 (the device
         # machine's, where this ran) and 2.13
         self.kernel = torch.cuda._compile_kernel(source, "ring_chain")
@@ -640,7 +803,7 @@ class Ring:
             torch.zeros(w.shape[0], dtype=torch.int32, device="cuda") for w in chain.weights
         ]
         # mma 2: [group of 8 rows][chunk of cols][8 columns][row][8], a chunk contiguous
-        self.packed = [pack(w, config.stage_bytes // 16) if config.mma == 2 else w
+        self.packed = [pack(w, config.stage_bytes // 16) if config.consumer == MMA_PACKED else w
                        for w in chain.weights]  # fmt: skip
         rows = [  # the kernel's table: weight, x, y, N, K, tagged x, tagged y
             [self.packed[i].data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1],
@@ -668,9 +831,12 @@ class Ring:
         )
 
 
-def render_source(config: RingConfig, kind: str, units: int, max_k: int, ll_sleep: int) -> str:
+def render_source(
+    config: RingConfig, kind: str, units: int, max_k: int, ll_sleep: int, max_rows: int = 1
+) -> str:
     """The CUDA source of one variant: the helpers, the consumer's body, the constants.
-    ``units``: the most chunks (row consumer) or groups of 8 rows (mma) a block's GEMV has."""
+    ``units``: the most chunks (row consumer) or groups of 8 rows (mma) a block's GEMV has;
+    ``max_rows``: the most rows a chunk holds (the warp consumer's sums)."""
     consts = {
         "__THREADS__": config.threads,
         "__STAGES__": config.stages,
@@ -682,9 +848,11 @@ def render_source(config: RingConfig, kind: str, units: int, max_k: int, ll_slee
         "__COMPUTE__": int(kind != "ring-copyonly"),
         "__LL__": int(kind == "ring-ll"),
         "__LL_SLEEP__": ll_sleep,
-        "__PACKED__": int(config.mma == 2),
+        "__PACKED__": int(config.consumer == MMA_PACKED),
+        "__MAX_ROWS__": max_rows,
     }
-    source = _HELPERS + (_MMA_BODY if config.mma else _ROW_BODY)
+    body = {ROW: _ROWS + _ROW_BODY, MMA: _MMA_BODY, MMA_PACKED: _MMA_BODY, WARP: _ROWS + _WARP_BODY}
+    source = _HELPERS + body[config.consumer]
     for name, value in consts.items():
         source = source.replace(name, str(value))
     return source
@@ -765,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"meta": _meta(chain), "variants": {}}
     for config in configs:
         for kind in kinds:
-            if config.mma and kind == "ring-ll":
+            if config.consumer != ROW and kind == "ring-ll":
                 continue
             for sleep in sleeps if kind == "ring-ll" else [0]:
                 name = f"{kind}{f'/sleep{sleep}' if sleep else ''} {config.label}"

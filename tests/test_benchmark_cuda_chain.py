@@ -1,8 +1,9 @@
 """benchmarks/cuda_chain.py: the ring kernel's schedule gives every output row of a GEMV to
 exactly one block in whole-row chunks (whole groups of 8 for the packed mma consumer),
-configs and shapes outside the kernel's limits are refused, numpy copies of both consumers'
+configs and shapes outside the kernel's limits are refused, numpy copies of the consumers'
 index math (the row consumer's pieces and warps, the mma consumer's m16n8k16 fragments over
-``pack``'s layout) compute the GEMV, and on a GPU the kernel computes the fp32 chain from
+``pack``'s layout, the warp consumer's chunk a warp and its slots' owners) compute the
+GEMV, and on a GPU the kernel computes the fp32 chain from
 NaN-filled outputs (its waits order the GEMVs: without them the checked replay carries NaN;
 ring-ll's tagged outputs are poisoned under their stale tags too)."""
 
@@ -42,25 +43,38 @@ def test_configs_and_shapes_are_checked():
     assert odd.shared_bytes(3) == 2 * 49152 + 4 * 10 + 16 * 2
     assert cfg.block_threads == 256 + 32  # and the copy warp
     (mma,) = cc.parse_configs("512,16384,11,1")
-    assert mma.mma == 1
+    assert mma.consumer == cc.MMA and mma.mma
     assert mma.label == "t512/b16384/s11/mma"
     # 11 padded slots of 8 rows, the bf16 input, 8 partials a warp and group, mbarriers
     assert mma.shared_bytes(16, 8192) == 11 * 8 * (2048 + 64) + 2 * 8192 + 4 * 16 * 16 * 8 + 176
     assert cc.partial_units(cc.LAYER, 132, mma) == 16  # gate_up: 125 rows, 8 a group
-    packed = cc.RingConfig(512, 16384, 12, mma=2)
+    packed = cc.RingConfig(512, 16384, 12, consumer=cc.MMA_PACKED)
     assert packed.label == "t512/b16384/s12/mma-packed"
     assert packed.shared_bytes(16, 8192) == 12 * 16384 + 2 * 8192 + 4 * 16 * 16 * 8 + 192
     assert cc.partial_units(cc.LAYER, 132, packed) == 16  # 2048 groups: 15 or 16 a block
     with pytest.raises(ValueError, match="N=100 must be a multiple of 8"):
         cc.check_shapes([("odd", 100, 2048)], packed)
-    with pytest.raises(ValueError, match="mma must be 0, 1 or 2"):
-        cc.RingConfig(mma=3)
+    with pytest.raises(ValueError, match="consumer must be 0, 1, 2 or 3"):
+        cc.RingConfig(consumer=4)
+    (warp,) = cc.parse_configs("384,16384,12,3")  # 12 warps: not 16 bytes x threads a stage
+    assert warp.consumer == cc.WARP and not warp.mma
+    assert warp.label == "t384/b16384/s12/warp"
+    # the ring, two bf16 inputs of the longest K, two mbarriers a stage
+    assert warp.shared_bytes(0, 8192) == 12 * 16384 + 4 * 8192 + 16 * 12 <= cc.SHARED_LIMIT
+    assert cc.partial_units(cc.LAYER, 132, warp) == 0
+    cc.check_shapes(cc.LAYER, warp)
+    with pytest.raises(ValueError, match="stages a multiple of its 12 warps"):
+        cc.RingConfig(384, 16384, 8, consumer=cc.WARP)  # a slot would change warps
+    with pytest.raises(ValueError, match="K=1536 must be a multiple of 512 that divides"):
+        cc.check_shapes([("odd", 64, 1536)], warp)
+    with pytest.raises(ValueError, match="K=256 must be a multiple of 512"):
+        cc.check_shapes([("short", 64, 256)], warp)
     with pytest.raises(ValueError, match="K=1536 must be a multiple of a chunk's 1024 columns"):
         cc.check_shapes([("odd", 64, 1536)], mma)
     assert cc.max_chunks(cc.LAYER, 132, 16384) == 32  # gate_up: 125 rows, 4 a chunk
     for bad, match in (
         ("512,16384", "threads,stage_bytes,stages"),
-        ("512,16384,8,3", "threads,stage_bytes,stages"),
+        ("512,16384,8,4", "threads,stage_bytes,stages"),
         ("500,16384,4", "multiple of 32"),
         ("1024,16384,4", "the copy warp makes"),
         ("512,4096,4", "multiple of 16 x threads"),
@@ -79,13 +93,15 @@ def test_configs_and_shapes_are_checked():
         cc.check_shapes(cc.LAYER, cc.RingConfig(256, 65536, 3))  # 16 rows: 16 threads a row
 
 
-@pytest.mark.parametrize(("n", "mma"), [(3072, 1), (125, 1), (16384, 2), (104, 2)])
-def test_row_groups_give_each_row_to_one_block(n, mma):
-    groups = cc.row_groups(n, 13, mma)
+@pytest.mark.parametrize(
+    ("n", "consumer"), [(3072, cc.MMA), (125, cc.MMA), (16384, cc.MMA_PACKED), (104, cc.MMA_PACKED)]
+)
+def test_row_groups_give_each_row_to_one_block(n, consumer):
+    groups = cc.row_groups(n, 13, consumer)
     rows = [r for block in groups for first, count in block for r in range(first, first + count)]
     assert rows == list(range(n))
     assert all(0 < count <= 8 for block in groups for _, count in block)
-    if mma == 2:  # whole groups, so a packed chunk is one copy
+    if consumer == cc.MMA_PACKED:  # whole groups, so a packed chunk is one copy
         assert all(first % 8 == 0 and count == 8 for block in groups for first, count in block)
 
 
@@ -146,9 +162,13 @@ def _mma_consumer(w, x, blocks, config):
     n, k = w.shape
     nw, cols = config.threads // 32, config.stage_bytes // 16
     steps, per_group = cols // 32 // nw, k // cols
-    packed = cc.pack(torch.from_numpy(w), cols).numpy().reshape(-1) if config.mma == 2 else None
+    packed = (
+        cc.pack(torch.from_numpy(w), cols).numpy().reshape(-1)
+        if config.consumer == cc.MMA_PACKED
+        else None
+    )
     y = np.full(n, np.nan)
-    for groups in cc.row_groups(n, blocks, config.mma):
+    for groups in cc.row_groups(n, blocks, config.consumer):
         for first_row, count in groups:
             d = np.zeros((nw, 32, 4))
             for cc_ in range(per_group):
@@ -178,13 +198,66 @@ def _mma_consumer(w, x, blocks, config):
     return y
 
 
+def _warp_consumer_chain(gemvs, blocks, config):
+    """The warp kernel's arithmetic in numpy over a chain of (w, x) GEMVs: each block's
+    running chunk number ``seq`` over the chain, chunk seq to warp seq % W and slot seq % S,
+    lane l on pieces l + 64i (first sum) and l + 32 + 64i (second) of each row, then the
+    lanes summed. Also checks what the kernel's waits rely on: every use of a slot, over the
+    whole chain, goes to one warp, which meets the uses in order (phase by phase)."""
+    nw, stages = config.threads // 32, config.stages
+    ys = [np.full(w.shape[0], np.nan) for w, _ in gemvs]
+    for b in range(blocks):
+        seq, owner, seen = 0, {}, {}  # slot -> its warp; slot -> the last use met
+        for (w, x), y in zip(gemvs, ys):
+            n, k = w.shape
+            chunks = cc.schedule(n, k, blocks, config.stage_bytes)[b]
+            met = []
+            for warp in range(nw):
+                for c in range(((warp - seq) % nw + nw) % nw, len(chunks), nw):
+                    met.append((seq + c, warp, c))
+            for s, warp, c in sorted(met):  # the order the copy warp fills the slots
+                slot, use = s % stages, s // stages
+                assert owner.setdefault(slot, warp) == warp  # a slot never changes warps
+                assert seen.get(slot, use - 1) == use - 1  # its uses, one at a time
+                seen[slot] = use
+                first_row, count = chunks[c]
+                for q in range(count):
+                    row = w[first_row + q]
+                    lanes = np.zeros((32, 2))
+                    for lane in range(32):
+                        for p in range(lane, k // 8, 64):
+                            for half, piece in ((0, p), (1, p + 32)):
+                                cols = slice(8 * piece, 8 * piece + 8)
+                                lanes[lane, half] += row[cols] @ x[cols]
+                    y[first_row + q] = lanes.sum()
+            assert sorted(c for _, _, c in met) == list(range(len(chunks)))  # each chunk once
+            seq += len(chunks)
+    return ys
+
+
+@pytest.mark.parametrize(
+    ("shapes", "config"),
+    [
+        ([(300, 512)], cc.RingConfig(64, 4096, 4, consumer=cc.WARP)),  # 4 rows a chunk
+        ([(37, 1024), (61, 2048)], cc.RingConfig(96, 4096, 3, consumer=cc.WARP)),  # 1 row
+        ([(70, 512), (33, 1024), (90, 512)], cc.RingConfig(128, 8192, 8, consumer=cc.WARP)),
+    ],
+)
+def test_warp_consumer_computes_each_gemv_of_a_chain(shapes, config):
+    cc.check_shapes([("t", n, k) for n, k in shapes], config)
+    rng = np.random.default_rng(len(shapes))
+    gemvs = [(rng.standard_normal((n, k)), rng.standard_normal(k)) for n, k in shapes]
+    for (w, x), y in zip(gemvs, _warp_consumer_chain(gemvs, 5, config)):
+        np.testing.assert_allclose(y, w @ x, atol=1e-9)
+
+
 @pytest.mark.parametrize(
     ("n", "k", "config"),
     [
         (300, 256, cc.RingConfig(128, 2048, 2)),  # 4 rows a chunk, 32 threads a row
         (37, 1024, cc.RingConfig(64, 2048, 2)),  # 1 row a chunk, 2 pieces a thread
-        (61, 1024, cc.RingConfig(64, 2048, 2, mma=1)),  # a partial last group
-        (104, 512, cc.RingConfig(64, 4096, 2, mma=2)),
+        (61, 1024, cc.RingConfig(64, 2048, 2, consumer=cc.MMA)),  # a partial last group
+        (104, 512, cc.RingConfig(64, 4096, 2, consumer=cc.MMA_PACKED)),
     ],
 )
 def test_consumers_index_math_computes_the_gemv(n, k, config):
@@ -213,13 +286,17 @@ def test_ring_kernel_computes_the_chain_and_its_waits_order_it():
         cc.RingConfig(256, 32768, 3),
         cc.RingConfig(256, 16384, 2),  # the copy warp waits on every slot
         cc.RingConfig(512, 16384, 13),
-        cc.RingConfig(512, 16384, 11, mma=1),
-        cc.RingConfig(256, 32768, 2, mma=1),  # 8 steps a warp, the copy warp waits often
-        cc.RingConfig(512, 16384, 12, mma=2),
-        cc.RingConfig(256, 32768, 3, mma=2),
+        cc.RingConfig(512, 16384, 11, consumer=cc.MMA),
+        cc.RingConfig(256, 32768, 2, consumer=cc.MMA),  # 8 steps a warp, the copy warp waits
+        cc.RingConfig(512, 16384, 12, consumer=cc.MMA_PACKED),
+        cc.RingConfig(256, 32768, 3, consumer=cc.MMA_PACKED),
+        cc.RingConfig(384, 16384, 12, consumer=cc.WARP),
+        cc.RingConfig(128, 16384, 4, consumer=cc.WARP),  # the copy warp waits on every slot
+        cc.RingConfig(192, 32768, 6, consumer=cc.WARP),  # 8 rows a chunk at K 2048
     ):
+        lone = config.consumer != cc.ROW  # ring-ll has only the row consumer
         for kind, sleep in (
-            (("ring", 0),) if config.mma else (("ring", 0), ("ring-ll", 0), ("ring-ll", 100))
+            (("ring", 0),) if lone else (("ring", 0), ("ring-ll", 0), ("ring-ll", 100))
         ):
             ring = cc.Ring(chain, config, kind, sleep)
             for _ in range(3):
@@ -235,7 +312,12 @@ def test_ring_kernel_computes_the_chain_and_its_waits_order_it():
             assert ring.done[1].item() == 27
     # the check can fail: without waits NaN comes through (a race, seen in all ten calls of
     # round 34: the first reads come well before the GEMV before has written)
-    for mma in (0, 1, 2):
-        racy = cc.Ring(chain, cc.RingConfig(512, 16384, 8, mma), "ring-nosync")
+    for racy_config in (
+        cc.RingConfig(512, 16384, 8, cc.ROW),
+        cc.RingConfig(512, 16384, 8, cc.MMA),
+        cc.RingConfig(512, 16384, 8, cc.MMA_PACKED),
+        cc.RingConfig(384, 16384, 12, cc.WARP),
+    ):
+        racy = cc.Ring(chain, racy_config, "ring-nosync")
         cc.time_graph(racy.run, chain.outs, 2)
-        assert chain.outs[-1].isnan().any(), mma
+        assert chain.outs[-1].isnan().any(), racy_config
