@@ -91,7 +91,8 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # the GEMV boundaries' work alone)
 KINDS = ("ring", "ring-ll", "ring-nosync", "ring-copyonly")
 
-# Device helpers both kernels use, then each kernel's body (_ROW_BODY, _MMA_BODY).
+# Device helpers every kernel uses; then _ROWS (whole-row chunks and the copy loop, for the row and
+# warp consumers) and each kernel's body (_ROW_BODY, _MMA_BODY, _WARP_BODY).
 _HELPERS = r"""
 #define NT __THREADS__
 #define STAGES __STAGES__
