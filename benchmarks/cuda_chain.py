@@ -50,6 +50,9 @@ process, alternated over ``--rounds``:
   warp signals its own end of a GEMV;
 - ``ring-nosync ...``: the same without the waits: a wrong answer (a GEMV reads its input
   before it is written), timed as the bound of what synchronisation costs;
+- ``ring-noinput ...``: the row consumer without the waits and without loading each GEMV's
+  input (it multiplies by ones): a wrong answer, timed to show what the input loads at each
+  GEMV's start cost;
 - ``ring-copyonly ...``: without the waits and without the products: what the weight
   stream and the work at each GEMV's end (partials summed, rows stored) cost alone.
 Every variant's output of one more replay, started from NaN-filled outputs, is compared
@@ -88,8 +91,10 @@ SANE_REL_ERR = 0.05  # largest |output - fp32 reference| / largest |reference|
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # ring: the kernel, waiting on a counter a GEMV; ring-ll: waiting on tagged outputs instead;
 # ring-nosync: without waits; ring-copyonly: without waits or products (the weight stream and
-# the GEMV boundaries' work alone)
-KINDS = ("ring", "ring-ll", "ring-nosync", "ring-copyonly")
+# the GEMV boundaries' work alone); ring-noinput: the row consumer without waits and without
+# loading each GEMV's input (ones instead), so what the input loads cost shows
+KINDS = ("ring", "ring-ll", "ring-nosync", "ring-copyonly", "ring-noinput")
+ROW_ONLY_KINDS = ("ring-ll", "ring-noinput")
 
 # Device helpers every kernel uses; then _ROWS (whole-row chunks and the copy loop, for the row and
 # warp consumers) and each kernel's body (_ROW_BODY, _MMA_BODY, _WARP_BODY).
@@ -100,6 +105,7 @@ _HELPERS = r"""
 #define MAX_CHUNKS __MAX_CHUNKS__
 #define SYNC __SYNC__
 #define COMPUTE __COMPUTE__
+#define NOX __NOX__  /* ring-noinput: no waits, no input loads (the row consumer multiplies by ones) */
 #define LL __LL__  /* 1: each output carries the launch's tag; readers poll the data itself */
 #define LL_SLEEP __LL_SLEEP__  /* ns between a reader's polls (0: none) */
 #define NW (NT / 32)
@@ -338,7 +344,8 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
                     x[j][0] = lo(a.x); x[j][1] = lo(a.y); x[j][2] = lo(a.z); x[j][3] = lo(a.w);
                     x[j][4] = lo(b.x); x[j][5] = lo(b.y); x[j][6] = lo(b.z); x[j][7] = lo(b.w);
                 } else {
-                    U4 v = load_l2(sh.x + (i64)(first + j * tpr) * 16);
+                    U4 v = NOX ? U4{0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u}
+                               : load_l2(sh.x + (i64)(first + j * tpr) * 16);
                     x[j][0] = lo(v.x); x[j][1] = hi(v.x); x[j][2] = lo(v.y); x[j][3] = hi(v.y);
                     x[j][4] = lo(v.z); x[j][5] = hi(v.z); x[j][6] = lo(v.w); x[j][7] = hi(v.w);
                 }
@@ -786,8 +793,8 @@ class Ring:
         shapes = [(f"gemv{i}", w.shape[0], w.shape[1]) for i, w in enumerate(chain.weights)]
         check_shapes(shapes, config)
         self.blocks = torch.cuda.get_device_properties().multi_processor_count
-        if config.consumer != ROW and kind == "ring-ll":
-            raise ValueError("ring-ll has only the row consumer")
+        if config.consumer != ROW and kind in ROW_ONLY_KINDS:
+            raise ValueError(f"{kind} has only the row consumer")
         max_k = max(k for _, _, k in shapes)
         chunks = partial_units(shapes, self.blocks, config)
         self.shared = config.shared_bytes(chunks, max_k)
@@ -847,6 +854,7 @@ def render_source(
         "__MAX_K__": max_k,
         "__SYNC__": int(kind == "ring"),
         "__COMPUTE__": int(kind != "ring-copyonly"),
+        "__NOX__": int(kind == "ring-noinput"),
         "__LL__": int(kind == "ring-ll"),
         "__LL_SLEEP__": ll_sleep,
         "__PACKED__": int(config.consumer == MMA_PACKED),
@@ -934,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"meta": _meta(chain), "variants": {}}
     for config in configs:
         for kind in kinds:
-            if config.consumer != ROW and kind == "ring-ll":
+            if config.consumer != ROW and kind in ROW_ONLY_KINDS:
                 continue
             for sleep in sleeps if kind == "ring-ll" else [0]:
                 name = f"{kind}{f'/sleep{sleep}' if sleep else ''} {config.label}"

@@ -108,6 +108,7 @@ def test_row_groups_give_each_row_to_one_block(n, consumer):
 def test_exit_status_holds_only_the_waiting_kinds_to_the_chain():
     ok, wrong = {"correct": True}, {"correct": False}
     assert cc.exit_status({"library": ok, "ring t": ok, "ring-nosync t": wrong}) == 0
+    assert cc.exit_status({"ring t": ok, "ring-noinput t": wrong}) == 0
     assert cc.exit_status({"ring-copyonly t": wrong, "ring-ll/sleep50 t": ok}) == 0
     assert cc.exit_status({"library": ok, "ring-ll/sleep50 t": wrong}) == 1
     assert cc.exit_status({"ring t": {"status": "failed"}}) == 1  # no answer is no pass
@@ -266,6 +267,15 @@ def test_consumers_index_math_computes_the_gemv(n, k, config):
     w, x = rng.standard_normal((n, k)), rng.standard_normal(k)
     consumer = _mma_consumer if config.mma else _row_consumer
     np.testing.assert_allclose(consumer(w, x, 5, config), w @ x, atol=1e-9)
+
+
+def test_noinput_kind_is_the_row_consumers_and_drops_its_input_loads():
+    row = cc.RingConfig(512, 16384, 13)
+    plain = cc.render_source(row, "ring-nosync", 32, 8192, 0)
+    noinput = cc.render_source(row, "ring-noinput", 32, 8192, 0)
+    assert "#define NOX 0" in plain and "#define NOX 1" in noinput
+    assert "#define SYNC 0" in noinput and "#define COMPUTE 1" in noinput
+    assert set(cc.ROW_ONLY_KINDS) <= set(cc.KINDS)
 
 
 def test_smoke_prints_the_schedule(capsys):
