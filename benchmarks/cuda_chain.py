@@ -137,12 +137,27 @@ __device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
                      " selp.u32 %0, 1, 0, p; }" : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
     } while (!ok);
 }
-/* One bulk copy (the TMA unit) of `bytes` into shared memory, counted on `bar`. */
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+/* `bar`'s phase completes once `bytes` more have landed (and its one arrival is this). */
+__device__ __forceinline__ void expect_bytes(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                  :: "r"(bar), "r"(bytes) : "memory");
+}
+/* A bulk copy (the TMA unit) of `bytes` into shared memory, counted on `bar`. */
+__device__ __forceinline__ void copy_bytes(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1], %2, [%3];" :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+/* One bulk copy that completes `bar`'s phase alone. */
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    expect_bytes(bar, bytes);
+    copy_bytes(dst, src, bytes, bar);
+}
+/* The copy warp's chunk `seq` goes to slot seq % STAGES once the slot's previous use has
+   been freed (its `empty` mbarrier); returns the slot. */
+__device__ __forceinline__ int claim_slot(u32 empty, int seq) {
+    const int slot = seq % STAGES, use = seq / STAGES;
+    if (use > 0) bar_wait(empty + 8 * slot, (use - 1) & 1);
+    return slot;
 }
 __device__ __forceinline__ void consumers_sync() {  /* the NT threads that multiply */
     asm volatile("bar.sync 1, %0;" :: "n"(NT) : "memory");
@@ -272,8 +287,7 @@ __device__ __forceinline__ void copy_chunks(const i64* table, int num_gemvs, u32
     for (int g = 0; g < num_gemvs; ++g) {
         Share sh = share_of(table, g);
         for (int c = 0; c < sh.chunks; ++c, ++seq) {
-            int slot = seq % STAGES, use = seq / STAGES;
-            if (use > 0) bar_wait(empty + 8 * slot, (use - 1) & 1);
+            const int slot = claim_slot(empty, seq);
             int r = sh.r0 + c * sh.rows;
             u32 bytes = (u32)(min(sh.rows, sh.r1 - r) * sh.k * 2);
             bulk_copy(ring + (u32)slot * STAGE_BYTES, sh.w + (i64)r * sh.k * 2, bytes,
@@ -461,8 +475,7 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
             for (int g = 0; g < num_gemvs; ++g) {
                 Groups sh = groups_of(table, g);
                 for (int c = 0; c < sh.chunks; ++c, ++seq) {
-                    int slot = seq % STAGES, use = seq / STAGES;
-                    if (use > 0) bar_wait(empty + 8 * slot, (use - 1) & 1);
+                    const int slot = claim_slot(empty, seq);
                     u32 bar = full + 8 * slot, dst = ring + (u32)slot * SLOT;
                     if (PACKED) {  /* chunk (group, column chunk): STAGE_BYTES in a row */
                         const char* src = sh.w + ((i64)(sh.r0 / 8) * sh.per_group + c) * STAGE_BYTES;
@@ -471,16 +484,10 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) ring_chain(
                     }
                     int r = sh.r0 + (c / sh.per_group) * 8, col = (c % sh.per_group) * COLS;
                     int nr = min(8, sh.r1 - r);
-                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                                 :: "r"(bar), "r"((u32)(nr * COLS * 2)) : "memory");
-                    for (int i = 0; i < nr; ++i) {
-                        const char* src = sh.w + ((i64)(r + i) * sh.k + col) * 2;
-                        asm volatile(
-                            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                            " [%0], [%1], %2, [%3];"
-                            :: "r"(dst + i * PITCH), "l"(src), "r"(COLS * 2), "r"(bar)
-                            : "memory");
-                    }
+                    expect_bytes(bar, (u32)(nr * COLS * 2));  /* one copy a row */
+                    for (int i = 0; i < nr; ++i)
+                        copy_bytes(dst + i * PITCH, sh.w + ((i64)(r + i) * sh.k + col) * 2,
+                                   COLS * 2, bar);
                 }
             }
         }
