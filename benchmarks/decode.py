@@ -1554,7 +1554,7 @@ ISOLATION = (
     "each configuration (the floor, each graphattn engine, the baselines together) ran in "
     "its own process, one after another: a CUDA graph replays slower in a process that has "
     "captured many other graphs (the PIECEWISE engine's hundreds made a FULL engine built "
-    "after it 1-3% slower at batch 1 and 5-7% at batch 8 on an H200; docs/performance.md, "
+    "after it 1-3% slower at batch 1 and 5-7% at batch 8 on an H200; docs/performance-history.md, "
     "'Graphs in the process'), so no configuration pays for the graphs of the ones before it"
 )
 

@@ -20,7 +20,7 @@ it (FULL_AND_PIECEWISE: do its own piecewise graphs, once replayed, slow its FUL
     python benchmarks/graph_count.py --smoke --target eager --before eager  # CPU plumbing
 
 The engines, model and decode steps are the decode benchmark's (``benchmarks/decode.py``).
-docs/performance.md ("Graphs in the process") has what it measured.
+docs/performance-history.md ("Graphs in the process") has what it measured.
 """
 
 from __future__ import annotations

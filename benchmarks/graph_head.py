@@ -3,7 +3,7 @@
 A FULL graph starts with the step's input copies and an external event the next step's
 host waits on before it overwrites the pinned buffers (``ModelRunner.full_graph_prologue``).
 The decode profile shows ~8 us between the staging kernel and the model's first kernel
-(docs/performance.md, round 15). This probe times graphs that differ only in their head,
+(docs/performance-history.md, round 15). This probe times graphs that differ only in their head,
 each followed by the same chain of small dependent kernels:
 
 - ``chain``: the chain alone;

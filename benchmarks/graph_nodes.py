@@ -12,7 +12,7 @@ completion), with the nodes in dependency order.
     python benchmarks/graph_nodes.py --batches 1,32 --out $OUT/graph_nodes.json --dot $OUT
     python benchmarks/graph_nodes.py --import my_backends --attention-backend MY_BACKEND
 
-docs/performance.md (round 18) has what it found in the batch-1 FULL graph.
+docs/performance-history.md (round 18) has what it found in the batch-1 FULL graph.
 """
 
 from __future__ import annotations

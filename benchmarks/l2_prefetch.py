@@ -1,7 +1,7 @@
 """Does asking L2 for a weight ahead of time make reading it faster? (CUDA)
 
 At batch 1 each layer's attention and split-KV reduction take ~6 us in which the memory is
-nearly idle (docs/performance.md, round 16). The opt-in pass ``prefetch_next_weight`` asks
+nearly idle (docs/performance-history.md, round 16). The opt-in pass ``prefetch_next_weight`` asks
 L2 for the start of gate_up's weight in that window (``prefetch.global.L2`` from o_proj's
 programs, ``kernels/prefetch.py``) and measured no gain in round 13; whether the lines were
 still in L2 when gate_up read them was never measured. This probe measures that alone. Each

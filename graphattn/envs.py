@@ -43,7 +43,7 @@ def prefetch_mib() -> int:
 def inductor_pdl() -> bool:
     """``GRAPHATTN_INDUCTOR_PDL``: ``1`` (the default) lets Inductor's Triton kernels in the
     compiled pieces launch with programmatic dependent launch too, where graphattn's own
-    kernels do and the engine captures CUDA graphs (docs/performance.md, round 22); ``0``
+    kernels do and the engine captures CUDA graphs (docs/performance-history.md, round 22); ``0``
     leaves Inductor's config as it is."""
     raw = os.environ.get("GRAPHATTN_INDUCTOR_PDL", "1") or "1"
     if raw not in ("0", "1"):

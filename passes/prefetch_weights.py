@@ -13,7 +13,7 @@ same product, whose programs also ask L2, before their PDL wait, for the first
 reads that part from L2 instead of HBM. Prefetches return no data, and weights are
 parameters no kernel writes.
 
-Opt-in, because it measured no gain: on an H200 (docs/performance.md, round 13) the
+Opt-in, because it measured no gain: on an H200 (docs/performance-history.md, round 13) the
 Llama-3.2-1B-shaped decode step at one token took 0.823 ms without it, 0.823 / 0.818 ms with
 8 / 16 MiB (within the spread) and 0.854 ms with 32. Round 17's probe
 (``benchmarks/l2_prefetch.py``) found why: on the H200 such prefetches ahead of a streaming

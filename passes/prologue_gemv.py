@@ -23,7 +23,7 @@ Two passes, each before ``single_row_gemv`` (which would take the ``mm`` first):
 - ``rms_norm_gemv`` (a default): on an H200 the fused GEMV of the Llama-3.2-1B shape's
   qkv / gate_up took 6.21 / 18.64 us where Inductor's add + norm kernel and the GEMV took
   6.92 / 20.18 (``docs/results/fused-ops-h200.log``); the decode step lost 31 kernels and
-  ran 1.04 -> 0.96 ms at batch 1 (with the Triton argmax; docs/performance.md).
+  ran 1.04 -> 0.96 ms at batch 1 (with the Triton argmax; docs/performance-history.md).
 - ``silu_mul_gemv`` (opt-in): 12.47 us against 12.04 for the SiLU-mul kernel and the down
   GEMV, slower. Each program computes SiLU over the whole K=8192 row it streams, which
   costs more than the launch it saves.

@@ -1,4 +1,5 @@
-"""The code in docs/ runs: the example backend of docs/backends.md serves a model correctly."""
+"""The docs hold: the example backend of docs/backends.md serves a model correctly, and every
+relative link in the README and docs/ names a file that exists and, with a ``#``, a heading in it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,66 @@ import pytest
 import torch
 from helpers import TableAttentionModel, eager_engine, make_seqs, rel_err, run_with_prefixes
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+LINKED_DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted(DOCS.glob("*.md"))]
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation other than
+    hyphens and underscores dropped, spaces made hyphens; a repeated one gets ``-1``, ``-2``."""
+    anchors: set[str] = set()
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        match = None if in_code else re.match(r"#{1,6} (.*)", line)
+        if match:
+            base = re.sub(r"[^\w\- ]", "", match.group(1).strip().lower()).replace(" ", "-")
+            anchor, n = base, 0
+            while anchor in anchors:
+                n += 1
+                anchor = f"{base}-{n}"
+            anchors.add(anchor)
+    return anchors
+
+
+def broken_links(path: pathlib.Path) -> list[str]:
+    """The relative links in ``path`` whose file or heading does not exist."""
+    broken = []
+    for target in _LINK.findall(path.read_text()):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        name, _, anchor = target.partition("#")
+        linked = (path.parent / name).resolve() if name else path
+        if not linked.exists():
+            broken.append(f"{target} (no file {linked})")
+        elif anchor and anchor not in heading_anchors(linked.read_text()):
+            broken.append(f"{target} (no heading with that anchor in {linked.name})")
+    return broken
+
+
+def test_heading_anchors_follow_github():
+    text = "# Round 8: the SiLU-mul epilogue\n```\n# not a heading\n```\n## Host overhead\n## Host overhead\n"
+    assert heading_anchors(text) == {
+        "round-8-the-silu-mul-epilogue",
+        "host-overhead",
+        "host-overhead-1",
+    }
+
+
+@pytest.mark.parametrize("path", LINKED_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    assert broken_links(path) == []
+
+
+def test_broken_links_finds_a_missing_file_and_heading(tmp_path):
+    bad = tmp_path / "bad.md"
+    bad.write_text(
+        "# Title\n[a](#no-such-heading) [b](missing.md) [c](#title) [d](https://x.org/y)\n"
+    )
+    assert len(broken_links(bad)) == 2
 
 
 def _tested_block(path: pathlib.Path, name: str) -> str:

@@ -32,11 +32,11 @@ The kernels that use it, and how:
 - where each signals its dependents: the GEMVs and mixed-batch attention after their main
   loop, not at their start: signalling at the start let the next kernel's programs take SM
   slots and wait in them while this one still streamed, which measured slower
-  (``benchmarks/pdl_chain.py``, docs/performance.md). Decode attention and the reduction
+  (``benchmarks/pdl_chain.py``, docs/performance-history.md). Decode attention and the reduction
   signal at their start: at one token they take few of the SMs' slots, so the o_proj GEMV
   after them can have its first weight tiles in flight while they run. With the early reads
   and prefetch above, the batch-1 step measured 16-19 us faster than without both; neither
-  alone showed a gain (docs/performance.md, round 12). The argmax's passes signal at their
+  alone showed a gain (docs/performance-history.md, round 12). The argmax's passes signal at their
   start too: a few dozen programs at batch 1.
 
 ``GRAPHATTN_PDL=0`` turns it off. It is off on the CPU (the Triton interpreter), on ROCm and

@@ -6,7 +6,7 @@ graphattn's kernels first launch in the compile phase's runs (the one-token GEMV
 capture's warm-ups (attention, its reduction, staging...), one after another, so a cold start
 waits for every compile in turn: about 7.5 s of a capture on a slow host of the H200 machine
 (round 21's cProfile: LLVM, ptxas, the code generator and, per signature, a launcher built
-with gcc; docs/performance.md). A warm Triton cache skips them. Both phases run once dry
+with gcc; docs/performance-history.md). A warm Triton cache skips them. Both phases run once dry
 inside ``compile_ahead`` first (``passes/compiler.py``'s ``_dry_run``, the runner's
 ``capture_graphs``).
 

@@ -13,7 +13,7 @@ the result right back. Here the GEMV computes its own input from the op's inputs
   each program sums ``h^2`` and ``(h * norm_w) . w`` in fp32 in the same pass over K and
   scales its sums once at the end. No program waits on the whole row before its first
   weight tile (a first version did, and its fused launches were slower than the kernels
-  they replaced: docs/performance.md).
+  they replaced: docs/performance-history.md).
 - ``silu_mul_gemv(gate_up, w)``: ``s = silu(gate) * up`` (each rounded like the graph: SiLU
   in fp32 then to x's dtype, the product in x's dtype) over ``gate_up = [gate | up]``, then
   ``out = s @ w.T``.

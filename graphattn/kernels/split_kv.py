@@ -179,7 +179,7 @@ def merge_if_last(
     of them are in flight at once, as in ``_reduce_kernel``. A runtime loop here is not
     pipelined (its loads feed no ``tl.dot``) and paid an L2 round trip per split and pass:
     the first build of this merge made the step 79 us slower at batch 1 than the reduction
-    kernel (docs/performance.md, round 14).
+    kernel (docs/performance-history.md, round 14).
     """
     tl.debug_barrier()
     ticket = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)

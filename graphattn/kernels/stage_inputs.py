@@ -10,7 +10,7 @@ buffers.
 A copy is a list of segments ``(source, destination, words)``: contiguous runs of 32-bit
 words (an int64 element is two), which a program walks in blocks of ``BLOCK`` words.
 The default for full graphs since round 14 (on the H200 21-23 us a step faster than the
-three copies at batch 1, 14-20 at 8 and 32; docs/performance.md);
+three copies at batch 1, 14-20 at 8 and 32; docs/performance-history.md);
 ``GRAPHATTN_INPUT_STAGING=copies`` goes back to the copies.
 """
 
