@@ -65,21 +65,10 @@ class Batch:
         for i, r in enumerate(requests):
             if not isinstance(r, Request):
                 raise InvalidBatchError(f"request {i} must be a ga.Request, got {type(r).__name__}")
-        token_lists = [_token_array(i, r.token_ids) for i, r in enumerate(requests)]
-        blocks = [_int_list(i, "block_ids", r.block_ids, _INT32) for i, r in enumerate(requests)]
-        computed = [_nonnegative(i, r.num_computed_tokens) for i, r in enumerate(requests)]
-        width = max((len(b) for b in blocks), default=0)
-        table = np.full((len(requests), max(width, 1)), -1, dtype=np.int32)
-        for row, ids in enumerate(blocks):
-            table[row, : len(ids)] = ids
-        tokens = np.concatenate(token_lists) if token_lists else np.zeros(0, np.int64)
-        return cls(
-            token_ids=tokens,
-            query_lens=np.array([len(t) for t in token_lists], dtype=np.int32),
-            num_computed_tokens=np.array(computed, dtype=np.int32),
-            block_table=table,
-            num_block_ids=np.array([len(b) for b in blocks], dtype=np.int32),
-        )
+        arrays = _plain_int_arrays(requests)
+        if arrays is None:
+            arrays = _checked_arrays(requests)
+        return cls(*arrays)
 
     @classmethod
     def from_arrays(
@@ -114,6 +103,81 @@ class Batch:
             block_table=table,
             num_block_ids=declared,
         )
+
+
+_Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+_PLAIN_SEQUENCES = (list, tuple, range)
+_ONLY_INT = frozenset({int})
+
+
+def _plain_int_arrays(requests: list[Request]) -> _Arrays | None:
+    """``Batch``'s arrays in a few numpy calls over the whole batch, for the common case:
+    every request's ``token_ids`` and ``block_ids`` are lists, tuples or ranges of plain
+    ``int`` and its ``num_computed_tokens`` a plain ``int``, all within what the arrays hold.
+
+    None for anything else (numpy or torch values, bools, ints of other types, values out of
+    range): ``_checked_arrays`` then checks request by request and names the one at fault.
+    Both give the same arrays wherever this one answers (tests/test_bad_input.py).
+    """
+    tokens: list[int] = []
+    blocks: list[int] = []
+    computed: list[int] = []
+    token_lens: list[int] = []
+    block_lens: list[int] = []
+    for r in requests:
+        t, b, c = r.token_ids, r.block_ids, r.num_computed_tokens
+        if type(t) not in _PLAIN_SEQUENCES or type(b) not in _PLAIN_SEQUENCES or type(c) is not int:
+            return None
+        tokens.extend(t)
+        blocks.extend(b)
+        computed.append(c)
+        token_lens.append(len(t))
+        block_lens.append(len(b))
+    if not (_ONLY_INT.issuperset(map(type, tokens)) and _ONLY_INT.issuperset(map(type, blocks))):
+        return None  # a bool, a numpy integer, a float, ...: checked one by one
+    try:
+        token_ids = np.array(tokens, dtype=np.int64)
+        block_ids = np.array(blocks, dtype=np.int64)
+        num_computed = np.array(computed, dtype=np.int64)
+    except OverflowError:  # a Python int beyond int64
+        return None
+    low, high = _INT32
+    if block_ids.size and (block_ids.min() < low or block_ids.max() > high):
+        return None
+    if num_computed.size and (num_computed.min() < 0 or num_computed.max() > high):
+        return None
+    num_block_ids = np.array(block_lens, dtype=np.int32)
+    width = int(num_block_ids.max()) if len(requests) else 0
+    table = np.full((len(requests), max(width, 1)), -1, dtype=np.int32)
+    if block_ids.size:  # row by row, each row's first num_block_ids entries
+        table[np.arange(width) < num_block_ids[:, None]] = block_ids
+    return (
+        token_ids,
+        np.array(token_lens, dtype=np.int32),
+        num_computed.astype(np.int32),
+        table,
+        num_block_ids,
+    )
+
+
+def _checked_arrays(requests: list[Request]) -> _Arrays:
+    """``Batch``'s arrays, each request's values checked on their own (any integer type a
+    request may hold); a bad value is an ``InvalidBatchError`` naming its request."""
+    token_lists = [_token_array(i, r.token_ids) for i, r in enumerate(requests)]
+    blocks = [_int_list(i, "block_ids", r.block_ids, _INT32) for i, r in enumerate(requests)]
+    computed = [_nonnegative(i, r.num_computed_tokens) for i, r in enumerate(requests)]
+    width = max((len(b) for b in blocks), default=0)
+    table = np.full((len(requests), max(width, 1)), -1, dtype=np.int32)
+    for row, ids in enumerate(blocks):
+        table[row, : len(ids)] = ids
+    tokens = np.concatenate(token_lists) if token_lists else np.zeros(0, np.int64)
+    return (
+        tokens,
+        np.array([len(t) for t in token_lists], dtype=np.int32),
+        np.array(computed, dtype=np.int32),
+        table,
+        np.array([len(b) for b in blocks], dtype=np.int32),
+    )
 
 
 def _int_array(name: str, values: object, dtype: type, *, ndim: int) -> np.ndarray:

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import DEVICES, TableAttentionModel, assert_unchanged, eager_engine, snapshot
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import graphattn as ga
 
@@ -561,3 +563,90 @@ def test_a_model_built_under_a_float64_default_dtype_compiles_once_converted():
     engine.kv_cache.allocate(1)
     out = engine.step(ga.Batch.from_requests([R([1, 2, 3], 0, [0])]))
     assert out.dtype == torch.float32 and out.shape == (3, 256)
+
+
+_FIELDS = ("token_ids", "query_lens", "num_computed_tokens", "block_table", "num_block_ids")
+_ODD_INTS = [-1, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63, -(2**63) - 1]
+
+
+def _batch_or_error(build, requests):
+    try:
+        out = build(requests)
+    except ga.InvalidBatchError as e:
+        return f"error: {e}"
+    arrays = [getattr(out, f) for f in _FIELDS] if isinstance(out, ga.Batch) else list(out)
+    return [(a.dtype.str, a.shape, a.tolist()) for a in arrays]
+
+
+@st.composite
+def _request_values(draw):
+    """Requests mostly of plain ints, with now and then what only the checked path takes or
+    refuses: numpy values, bools, floats, ints beyond int32 / int64, ranges and tuples."""
+
+    def one_value():
+        return draw(
+            st.one_of(
+                st.integers(0, 400),
+                st.integers(0, 400),
+                st.sampled_from(_ODD_INTS),
+                st.sampled_from([True, False, np.int64(3), np.int32(2), 1.0]),
+            )
+        )
+
+    def values(min_size):
+        n = draw(st.integers(min_size, 5))
+        items = [
+            one_value() if draw(st.integers(0, 5)) == 0 else draw(st.integers(0, 300))
+            for _ in range(n)
+        ]
+        kind = draw(st.sampled_from(["list", "list", "tuple", "range", "array"]))
+        if kind == "tuple":
+            return tuple(items)
+        if kind == "range":
+            return range(draw(st.integers(0, 50)), draw(st.integers(0, 60)))
+        if kind == "array" and all(type(v) is int and 0 <= v < 2**31 for v in items):
+            return np.array(items, dtype=np.int64)
+        return items
+
+    return [
+        R(
+            values(0),
+            one_value() if draw(st.integers(0, 4)) == 0 else draw(st.integers(0, 600)),
+            values(0),
+        )
+        for _ in range(draw(st.integers(0, 4)))
+    ]
+
+
+@settings(max_examples=300)
+@given(_request_values())
+@example([R([1], 0, [3, 2**31])])  # each value the whole-batch path must step aside for
+@example([R([1], 0, [0]), R([2], 0, [-(2**31) - 1])])
+@example([R([1], 2**31, [0])])
+@example([R([1], 0, [0]), R([1], -1, [0])])
+@example([R([2**63], 0, [0])])
+@example([R([1, True], 0, [0])])
+@example([R([1], 0, [np.int64(4)])])
+@example([R([1], 0, [1.0])])
+def test_from_requests_fast_path_gives_the_checked_paths_batch_or_error(requests):
+    # the whole-batch path (plain ints) and the per-request checks must agree on every batch:
+    # the same arrays, dtypes and shapes, or the same error naming the same request
+    from graphattn.batch import _checked_arrays
+
+    assert _batch_or_error(ga.Batch.from_requests, requests) == _batch_or_error(
+        _checked_arrays, requests
+    )
+
+
+def test_from_requests_takes_plain_int_batches_whole():
+    from graphattn.batch import _plain_int_arrays
+
+    plain = [R([5, 6], 512, list(range(33))), R((7,), 3, range(2, 4)), R([], 0, [])]
+    arrays = _plain_int_arrays(plain)
+    assert arrays is not None  # the fast path answers, so the comparison above tests it
+    assert arrays[3].tolist()[1][:3] == [2, 3, -1] and arrays[3].shape == (3, 33)
+    # and steps aside for what it does not check itself
+    for odd in ([True], [np.int64(1)], [1.0], [2**31]):
+        assert _plain_int_arrays([R([1], 0, odd)]) is None
+    assert _plain_int_arrays([R([2**63], 0, [0])]) is None
+    assert _plain_int_arrays([R([1], -1, [0])]) is None
