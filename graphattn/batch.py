@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,8 +187,15 @@ def _int_array(name: str, values: object, dtype: type, *, ndim: int) -> np.ndarr
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise InvalidBatchError(f"{name} must be on the CPU, got a tensor on {values.device}")
-        values = values.numpy()
-    array = np.asarray(values)
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise InvalidBatchError(f"{name} must hold integers, got a {values.dtype} tensor")
+        values = values.detach().numpy()
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError) as e:  # ragged rows, objects numpy cannot make an array of
+        raise InvalidBatchError(
+            f"{name} must be a rectangular integer array, got {type(values).__name__} ({e})"
+        ) from None
     if array.ndim != ndim:
         raise InvalidBatchError(
             f"{name} must have {ndim} dimension(s), got shape {list(array.shape)}"
@@ -221,7 +228,12 @@ def _token_array(index: int, token_ids: object, what: str = "token_ids") -> np.n
                 f"request {index}: {what} must be integers on the CPU, got a "
                 f"{token_ids.dtype} tensor on {token_ids.device}"
             )
-        values = token_ids.reshape(-1).numpy()
+        if token_ids.ndim != 1:
+            raise InvalidBatchError(
+                f"request {index}: {what} must be one-dimensional, got a tensor of shape "
+                f"{list(token_ids.shape)}"
+            )
+        values = token_ids.detach().numpy()
         if values.dtype == np.uint64 and values.size and values.max() > _INT64[1]:
             raise InvalidBatchError(
                 f"request {index}: {what} holds {int(values.max())}, outside "
@@ -237,7 +249,12 @@ def _int_list(index: int, what: str, values: object, bounds: tuple[int, int]) ->
     if isinstance(values, np.ndarray):
         if values.dtype.kind not in "iu":
             raise InvalidBatchError(f"request {index}: {what} must be integers, got {values.dtype}")
-        items = values.reshape(-1).tolist()
+        if values.ndim != 1:
+            raise InvalidBatchError(
+                f"request {index}: {what} must be one-dimensional, got an array of shape "
+                f"{list(values.shape)}"
+            )
+        items = values.tolist()
     elif isinstance(values, torch.Tensor):
         items = _token_array(index, values, what).tolist()
     else:
@@ -252,6 +269,13 @@ def _int_list(index: int, what: str, values: object, bounds: tuple[int, int]) ->
 
 
 def _plain_ints(index: int, what: str, values: object) -> list[int]:
+    if isinstance(values, (Set, Mapping, str, bytes, bytearray)):
+        # no order of their own (a set's is its hash order) or not a list of numbers: a step
+        # would read the wrong blocks or tokens without an error
+        raise InvalidBatchError(
+            f"request {index}: {what} must be an ordered sequence of ints (a list, tuple, "
+            f"range or 1-D array), got {type(values).__name__}"
+        )
     try:
         items = list(values)  # type: ignore[call-overload]
     except TypeError:

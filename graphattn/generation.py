@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,6 +56,9 @@ def generate(
     prompts = _check_prompts(
         prompts, max_new_tokens, eos_token_id, engine.runner.limits, engine.kv_cache
     )
+    # checked as ints; numpy ones would wrap in the lengths the schedule computes
+    max_new_tokens = int(max_new_tokens)
+    eos_token_id = None if eos_token_id is None else int(eos_token_id)
     waiting = deque(_Sequence(i, p, len(p)) for i, p in enumerate(prompts))
     running: list[_Sequence] = []
     results: list[list[int]] = [[] for _ in prompts]
@@ -149,6 +152,7 @@ def _check_prompts(prompts, max_new_tokens, eos_token_id, limits, kv_cache) -> l
         raise InvalidInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if eos_token_id is not None and not is_int(eos_token_id):
         raise InvalidInputError(f"eos_token_id must be an int or None, got {eos_token_id!r}")
+    max_new_tokens = int(max_new_tokens)  # a numpy int would wrap in the lengths below
     checked = []
     for i, prompt in enumerate(_as_list(prompts, "prompts must be a list of token-id lists")):
         tokens = _as_list(prompt, f"prompt {i} must be a list of token ids")
@@ -184,6 +188,6 @@ def _as_list(values: object, expected: str) -> list:
     anything else not iterable is an ``InvalidInputError`` saying ``expected``."""
     if isinstance(values, (np.ndarray, torch.Tensor)):
         values = values.tolist()
-    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+    if isinstance(values, (str, bytes, bytearray, Mapping, Set)) or not hasattr(values, "__iter__"):
         raise InvalidInputError(f"{expected}, got {type(values).__name__}")
     return list(values)

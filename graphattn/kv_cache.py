@@ -164,6 +164,7 @@ class BlockAllocator:
                 f"cannot free block ids {bad or ids}: expected distinct allocated ids in "
                 f"[0, {self.num_blocks})"
             )
+        ids = [int(b) for b in ids]  # ids handed out later are plain ints, whatever came in
         self._in_use[ids] = False
         self._free.extend(reversed(ids))
 

@@ -67,7 +67,7 @@ def _check_general(batch: Batch, limits: BatchLimits) -> int:
         _explain_request_error(batch, seq_lens, needed, limits)
     _check_block_ids(batch, -(-longest // limits.block_size), limits.num_blocks, limits.block_size)
     tokens = batch.token_ids
-    if limits.vocab_size is not None and tokens.size and not _in_range(tokens, limits.vocab_size):
+    if tokens.size and not _in_range(tokens, _token_bound(limits)):
         _explain_token_error(batch, limits.vocab_size)
     _check_writes(batch, limits.block_size)
     return longest
@@ -177,13 +177,23 @@ _ROW_STARTS: dict[int, np.ndarray] = {}
 
 
 def _is_decode_layout(batch: Batch) -> bool:
-    """The arrays have the dtypes ``Batch.from_arrays`` gives (the decode checks read them
-    as unsigned)."""
+    """The arrays are numpy arrays of the dtypes ``Batch.from_arrays`` gives (the decode
+    checks read them as unsigned), the token ids and query lengths one-dimensional; anything
+    else takes the general checks, which say what is wrong."""
+    q, tokens, declared = batch.query_lens, batch.token_ids, batch.num_block_ids
     return (
-        getattr(batch.query_lens, "dtype", None) == np.int32
-        and getattr(batch.num_computed_tokens, "dtype", None) == np.int32
-        and getattr(batch.block_table, "dtype", None) == np.int32
-        and getattr(batch.token_ids, "dtype", None) == np.int64
+        isinstance(q, np.ndarray)
+        and q.dtype == np.int32
+        and q.ndim == 1
+        and isinstance(tokens, np.ndarray)
+        and tokens.dtype == np.int64
+        and tokens.ndim == 1
+        and isinstance(batch.num_computed_tokens, np.ndarray)
+        and batch.num_computed_tokens.dtype == np.int32
+        and isinstance(batch.block_table, np.ndarray)
+        and batch.block_table.dtype == np.int32
+        and isinstance(declared, np.ndarray)
+        and declared.dtype.kind in "iu"
     )
 
 
@@ -209,7 +219,7 @@ def _check_decode(batch: Batch, limits: BatchLimits) -> int:
         _check_shapes(batch)
         return _check_general(batch, limits)
     _check_block_ids(batch, last // block_size + 1, limits.num_blocks, block_size)
-    if limits.vocab_size is not None and _umax(batch.token_ids) >= limits.vocab_size:
+    if _umax(batch.token_ids) >= _token_bound(limits):  # negatives read as huge
         _explain_token_error(batch, limits.vocab_size)
     _check_decode_writes(batch, block_size)
     return last + 1
@@ -239,11 +249,19 @@ def _umax(values: np.ndarray) -> np.unsignedinteger:
     return np.maximum.reduce(values.view(unsigned), axis=None)
 
 
-def _explain_token_error(batch: Batch, vocab_size: int) -> None:
+def _token_bound(limits: BatchLimits) -> int:
+    """Token ids must lie in ``[0, bound)``: the vocabulary where the model declares one;
+    otherwise any id but a negative one (read as unsigned, a negative int64 is >= 2**63)."""
+    return limits.vocab_size if limits.vocab_size is not None else 2**63
+
+
+def _explain_token_error(batch: Batch, vocab_size: int | None) -> None:
     tokens = batch.token_ids
-    bad = (tokens < 0) | (tokens >= vocab_size)
+    bad = tokens < 0 if vocab_size is None else (tokens < 0) | (tokens >= vocab_size)
     tok = int(np.argmax(bad))
     req = int(np.searchsorted(np.cumsum(batch.query_lens), tok, side="right"))
+    if vocab_size is None:
+        raise InvalidBatchError(f"request {req}: token id {tokens[tok]} is negative")
     raise InvalidBatchError(
         f"request {req}: token id {tokens[tok]} is outside the vocabulary [0, {vocab_size})"
     )

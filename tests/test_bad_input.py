@@ -247,6 +247,11 @@ def test_generate_rejects_bad_prompts_and_keeps_every_block(llama_engine):
         "prompts not a list": ((5, 4), "prompts must be a list of token-id lists, got int"),
         "bool max_new_tokens": (([[1, 2]], True), "max_new_tokens must be a positive int"),
         "too long": (([[1] * 90], 8), "caches 97 > max_model_len=96"),
+        # numpy ints are ints, but the lengths computed from them must not wrap
+        "np.int32 max_new_tokens": (([[1, 2, 3]], np.int32(2**31 - 1)), "> max_model_len=96"),
+        "np.uint64 max_new_tokens": (([[1, 2, 3]], np.uint64(2**64 - 2)), "> max_model_len=96"),
+        "a set prompt": (([{5, 2}], 4), "prompt 0 must be a list of token ids, got set"),
+        "a dict prompt": (([{7: 0, 3: 0}], 4), "prompt 0 must be a list of token ids, got dict"),
     }
     for _ in range(len(free) + 1):  # more calls than blocks: a leak would empty the pool
         for args, message in bad_calls.values():
@@ -650,3 +655,104 @@ def test_from_requests_takes_plain_int_batches_whole():
         assert _plain_int_arrays([R([1], 0, odd)]) is None
     assert _plain_int_arrays([R([2**63], 0, [0])]) is None
     assert _plain_int_arrays([R([1], -1, [0])]) is None
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        # no order of their own: a step would read the wrong blocks or tokens, unannounced
+        (R([1], 20, {0, 1}), "block_ids must be an ordered sequence of ints .* got set"),
+        (R({5, 2}, 0, [0]), "token_ids must be an ordered sequence of ints .* got set"),
+        (R({7: 0, 3: 0}, 0, [0]), "token_ids must be an ordered sequence .* got dict"),
+        (R(b"\x01\x02", 0, [0]), "token_ids must be an ordered sequence .* got bytes"),
+        (R([1], 20, frozenset({0, 1})), "got frozenset"),
+        # a 2-D or 0-d array is not a list of ids, whatever it flattens to
+        (R([1], 20, np.array([[0, 1]])), r"block_ids must be one-dimensional, got .* \[1, 2\]"),
+        (R(torch.tensor([[5]]), 0, [0]), r"token_ids must be one-dimensional, got .* \[1, 1\]"),
+        (R(torch.tensor(5), 0, [0]), r"token_ids must be one-dimensional, got .* \[\]"),
+    ],
+)
+def test_requests_without_an_order_or_a_dimension_are_refused(engine, request_, message):
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        engine.step(ga.Batch.from_requests([request_]))
+    assert_unchanged(engine, snap)
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [[R([-1], 20, [0, 1])], [R([3, -2], 20, [0, 1])], [R([1], 20, [0, 1]), R([-5], 0, [2])]],
+    ids=["decode", "mixed", "second request"],
+)
+def test_negative_token_ids_are_refused_without_a_vocabulary(requests):
+    # with no vocab_size to check against, a negative id would still index the embedding
+    # from its end (or trip a device-side assert on CUDA)
+    model = TableAttentionModel(40, 4, 2, 64)
+    del model.vocab_size
+    eng = eager_engine(model, max_num_seqs=4, max_num_tokens=64, num_blocks=8, max_model_len=96)
+    eng.kv_cache.allocate(3)
+    eng.step(ga.Batch.from_requests([ga.Request(list(range(20)), 0, [0, 1])]))
+    assert eng.runner.limits.vocab_size is None
+    snap = snapshot(eng)
+    with pytest.raises(ga.InvalidBatchError, match=r"request \d: token id -\d is negative"):
+        eng.step(ga.Batch.from_requests(requests))
+    assert_unchanged(eng, snap)
+    eng.step(ga.Batch.from_requests([R([39], 20, [0, 1])]))  # any id >= 0 still passes
+
+
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        (([5, 6], [1, 1], [20, 3], [[0, 1], [2]]), "block_table must be a rectangular integer"),
+        (
+            (torch.tensor([1.0], dtype=torch.bfloat16), [1], [0], [[0]]),
+            "token_ids must hold integers, got a torch.bfloat16 tensor",
+        ),
+        (
+            (torch.tensor([1.0], requires_grad=True), [1], [0], [[0]]),
+            "token_ids must hold integers, got a torch.float32 tensor",
+        ),
+        (([1], torch.tensor([True]), [0], [[0]]), "query_lens must hold integers"),
+    ],
+)
+def test_from_arrays_refuses_ragged_and_float_tensors_with_a_typed_error(arrays, message):
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        ga.Batch.from_arrays(*arrays)
+
+
+def _decode_batch(**changes):
+    fields = dict(
+        token_ids=np.array([5], np.int64),
+        query_lens=np.array([1], np.int32),
+        num_computed_tokens=np.array([20], np.int32),
+        block_table=np.array([[0, 1]], np.int32),
+        num_block_ids=np.array([2], np.int32),
+    )
+    fields.update(changes)
+    return ga.Batch(**fields)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"token_ids": np.array([[5]], np.int64)}, r"token_ids must have 1 dimension"),
+        ({"query_lens": np.array([[1]], np.int32)}, r"query_lens must have 1 dimension"),
+        ({"num_block_ids": [2]}, r"num_block_ids must be a numpy integer array .*, got a list"),
+        ({"num_block_ids": np.array([2.0])}, "num_block_ids must be a numpy integer array"),
+    ],
+)
+def test_a_hand_built_decode_batch_gets_the_general_checks(engine, changes, message):
+    # the decode fast path reads the arrays as it finds them; anything but the layout
+    # Batch.from_arrays gives must take the checks that name the problem
+    engine.step(_decode_batch())  # the unchanged batch passes
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        engine.step(_decode_batch(**changes))
+    assert_unchanged(engine, snap)
+
+
+def test_freed_numpy_ids_come_back_as_ints(engine):
+    (block,) = engine.kv_cache.allocate(1)
+    engine.kv_cache.free([np.uint8(block)])
+    (again,) = engine.kv_cache.allocate(1)
+    assert again == block and type(again) is int
