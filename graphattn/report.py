@@ -51,7 +51,7 @@ class Report:
     startup_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
+        return _plain(self)
 
     def __str__(self) -> str:
         lines = [
@@ -121,7 +121,7 @@ class EngineStats:
     captures_after_startup: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
+        return _plain(self)
 
 
 def _span(names: list[str]) -> str:
@@ -148,7 +148,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _plain(dataclasses.asdict(value))
+        # field by field: dataclasses.asdict rebuilds a Counter from its (key, count) pairs,
+        # counting each pair once
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)

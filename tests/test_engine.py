@@ -347,3 +347,15 @@ def test_decode_fill_writes_each_requests_slot(layout):
     expected = table[np.arange(r), computed // bs].astype(np.int64) * bs + computed % bs
     np.testing.assert_array_equal(eng.runner.buffers.slot_mapping.np[:r], expected)
     np.testing.assert_array_equal(eng.runner.buffers.positions.np[:r], computed)
+
+
+def test_stats_to_dict_keeps_each_counter_as_counted():
+    # dataclasses.asdict would rebuild a Counter from its (key, count) pairs: {"('NONE', 3)": 1}
+    with pytest.warns(ga.FallbackWarning):
+        engine = eager_engine(_llama(), cudagraph_mode="FULL", num_blocks=16)
+    blocks = engine.kv_cache.allocate(1)
+    for n in range(3):
+        engine.step(ga.Batch.from_requests([ga.Request([1 + n], n, blocks)]))
+    stats = engine.stats.to_dict()
+    assert stats["steps"] == 3 and stats["runtime_modes"] == {"NONE": 3}
+    assert engine.report.to_dict()["resolved_mode"] == str(engine.resolved_mode)

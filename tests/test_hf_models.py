@@ -411,7 +411,7 @@ def test_graphattn_imports_without_transformers_or_safetensors(zoo):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode != 0
     assert "ImportError: reading a checkpoint folder needs the safetensors package" in proc.stderr
-    assert "graphattn[hf]" in proc.stderr
+    assert "pip install -e '.[hf]'" in proc.stderr
 
 
 # -- GPU: bf16 in every CUDA-graph mode ------------------------------------------------

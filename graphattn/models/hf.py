@@ -216,7 +216,7 @@ def _safe_open(path: Path) -> Any:
     except ImportError as e:
         raise ImportError(
             "reading a checkpoint folder needs the safetensors package: "
-            "pip install 'graphattn[hf]' (or pip install safetensors)"
+            "pip install -e '.[hf]' in the graphattn checkout (or pip install safetensors)"
         ) from e
     return safe_open(str(path), framework="pt", device="cpu")
 
