@@ -108,6 +108,9 @@ class Batch:
 _Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 _PLAIN_SEQUENCES = (list, tuple, range)
 _ONLY_INT = frozenset({int})
+# what is iterable but no list of ids: no order of its own (a set's is its hash order, a
+# mapping's its keys') or text; taken as ids, a step would read the wrong blocks or tokens
+UNORDERED_OR_TEXT = (Set, Mapping, str, bytes, bytearray)
 
 
 def _plain_int_arrays(requests: list[Request]) -> _Arrays | None:
@@ -146,18 +149,7 @@ def _plain_int_arrays(requests: list[Request]) -> _Arrays | None:
         return None
     if num_computed.size and (num_computed.min() < 0 or num_computed.max() > high):
         return None
-    num_block_ids = np.array(block_lens, dtype=np.int32)
-    width = int(num_block_ids.max()) if len(requests) else 0
-    table = np.full((len(requests), max(width, 1)), -1, dtype=np.int32)
-    if block_ids.size:  # row by row, each row's first num_block_ids entries
-        table[np.arange(width) < num_block_ids[:, None]] = block_ids
-    return (
-        token_ids,
-        np.array(token_lens, dtype=np.int32),
-        num_computed.astype(np.int32),
-        table,
-        num_block_ids,
-    )
+    return _pack(token_ids, token_lens, num_computed, block_ids, block_lens)
 
 
 def _checked_arrays(requests: list[Request]) -> _Arrays:
@@ -166,17 +158,35 @@ def _checked_arrays(requests: list[Request]) -> _Arrays:
     token_lists = [_token_array(i, r.token_ids) for i, r in enumerate(requests)]
     blocks = [_int_list(i, "block_ids", r.block_ids, _INT32) for i, r in enumerate(requests)]
     computed = [_nonnegative(i, r.num_computed_tokens) for i, r in enumerate(requests)]
-    width = max((len(b) for b in blocks), default=0)
-    table = np.full((len(requests), max(width, 1)), -1, dtype=np.int32)
-    for row, ids in enumerate(blocks):
-        table[row, : len(ids)] = ids
-    tokens = np.concatenate(token_lists) if token_lists else np.zeros(0, np.int64)
+    return _pack(
+        np.concatenate(token_lists) if token_lists else np.zeros(0, np.int64),
+        [len(t) for t in token_lists],
+        computed,
+        np.array([b for ids in blocks for b in ids], dtype=np.int64),
+        [len(b) for b in blocks],
+    )
+
+
+def _pack(
+    token_ids: np.ndarray,
+    token_lens: list[int],
+    computed: Sequence[int] | np.ndarray,
+    block_ids: np.ndarray,
+    block_lens: list[int],
+) -> _Arrays:
+    """``Batch``'s arrays from checked values: the block ids back to back fill each row of the
+    table from its start, -1 after them."""
+    num_block_ids = np.array(block_lens, dtype=np.int32)
+    width = int(num_block_ids.max()) if len(block_lens) else 0
+    table = np.full((len(block_lens), max(width, 1)), -1, dtype=np.int32)
+    if block_ids.size:
+        table[np.arange(width) < num_block_ids[:, None]] = block_ids
     return (
-        tokens,
-        np.array([len(t) for t in token_lists], dtype=np.int32),
-        np.array(computed, dtype=np.int32),
+        token_ids,
+        np.array(token_lens, dtype=np.int32),
+        np.asarray(computed).astype(np.int32),
         table,
-        np.array([len(b) for b in blocks], dtype=np.int32),
+        num_block_ids,
     )
 
 
@@ -269,9 +279,7 @@ def _int_list(index: int, what: str, values: object, bounds: tuple[int, int]) ->
 
 
 def _plain_ints(index: int, what: str, values: object) -> list[int]:
-    if isinstance(values, (Set, Mapping, str, bytes, bytearray)):
-        # no order of their own (a set's is its hash order) or not a list of numbers: a step
-        # would read the wrong blocks or tokens without an error
+    if isinstance(values, UNORDERED_OR_TEXT):
         raise InvalidBatchError(
             f"request {index}: {what} must be an ordered sequence of ints (a list, tuple, "
             f"range or 1-D array), got {type(values).__name__}"

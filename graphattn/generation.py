@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from graphattn.batch import Batch, is_int
+from graphattn.batch import UNORDERED_OR_TEXT, Batch, is_int
 from graphattn.errors import InvalidInputError, OutOfBlocksError
 from graphattn.sampling import greedy
 
@@ -53,12 +53,9 @@ def generate(
             f"{type(engine.model).__name__} has no compute_logits(hidden) -> logits; generate "
             f"samples from it (drive engine.step yourself for a model without a head)"
         )
-    prompts = _check_prompts(
+    prompts, max_new_tokens, eos_token_id = _check_prompts(
         prompts, max_new_tokens, eos_token_id, engine.runner.limits, engine.kv_cache
     )
-    # checked as ints; numpy ones would wrap in the lengths the schedule computes
-    max_new_tokens = int(max_new_tokens)
-    eos_token_id = None if eos_token_id is None else int(eos_token_id)
     waiting = deque(_Sequence(i, p, len(p)) for i, p in enumerate(prompts))
     running: list[_Sequence] = []
     results: list[list[int]] = [[] for _ in prompts]
@@ -145,14 +142,18 @@ def _to_batch(scheduled: list[tuple[_Sequence, int]], block_size: int) -> Batch:
     )
 
 
-def _check_prompts(prompts, max_new_tokens, eos_token_id, limits, kv_cache) -> list[list[int]]:
+def _check_prompts(
+    prompts, max_new_tokens, eos_token_id, limits, kv_cache
+) -> tuple[list[list[int]], int, int | None]:
     """The prompts as lists of ints, after every check a step would make of them, so that a
-    bad prompt is an error before anything is allocated or run."""
+    bad prompt is an error before anything is allocated or run; and ``max_new_tokens`` and
+    ``eos_token_id`` as Python ints (a numpy int would wrap in the lengths computed from it)."""
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if eos_token_id is not None and not is_int(eos_token_id):
         raise InvalidInputError(f"eos_token_id must be an int or None, got {eos_token_id!r}")
-    max_new_tokens = int(max_new_tokens)  # a numpy int would wrap in the lengths below
+    max_new_tokens = int(max_new_tokens)
+    eos_token_id = None if eos_token_id is None else int(eos_token_id)
     checked = []
     for i, prompt in enumerate(_as_list(prompts, "prompts must be a list of token-id lists")):
         tokens = _as_list(prompt, f"prompt {i} must be a list of token ids")
@@ -180,7 +181,7 @@ def _check_prompts(prompts, max_new_tokens, eos_token_id, limits, kv_cache) -> l
                 f"{kv_cache.num_blocks}"
             )
         checked.append([int(t) for t in tokens])
-    return checked
+    return checked, max_new_tokens, eos_token_id
 
 
 def _as_list(values: object, expected: str) -> list:
@@ -188,6 +189,6 @@ def _as_list(values: object, expected: str) -> list:
     anything else not iterable is an ``InvalidInputError`` saying ``expected``."""
     if isinstance(values, (np.ndarray, torch.Tensor)):
         values = values.tolist()
-    if isinstance(values, (str, bytes, bytearray, Mapping, Set)) or not hasattr(values, "__iter__"):
+    if isinstance(values, UNORDERED_OR_TEXT) or not hasattr(values, "__iter__"):
         raise InvalidInputError(f"{expected}, got {type(values).__name__}")
     return list(values)

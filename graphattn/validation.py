@@ -182,16 +182,12 @@ def _is_decode_layout(batch: Batch) -> bool:
     else takes the general checks, which say what is wrong."""
     q, tokens, declared = batch.query_lens, batch.token_ids, batch.num_block_ids
     return (
-        isinstance(q, np.ndarray)
-        and q.dtype == np.int32
+        getattr(q, "dtype", None) == np.int32
         and q.ndim == 1
-        and isinstance(tokens, np.ndarray)
-        and tokens.dtype == np.int64
+        and getattr(tokens, "dtype", None) == np.int64
         and tokens.ndim == 1
-        and isinstance(batch.num_computed_tokens, np.ndarray)
-        and batch.num_computed_tokens.dtype == np.int32
-        and isinstance(batch.block_table, np.ndarray)
-        and batch.block_table.dtype == np.int32
+        and getattr(batch.num_computed_tokens, "dtype", None) == np.int32
+        and getattr(batch.block_table, "dtype", None) == np.int32
         and isinstance(declared, np.ndarray)
         and declared.dtype.kind in "iu"
     )
