@@ -106,6 +106,12 @@ class CompiledModel:
         self.inductor_pdl, self.kernel_settings["inductor_pdl"] = _inductor_pdl(
             self.device, self.graphs.mode, config.compile_backend
         )
+        self.fold_o_proj = envs.fold_o_proj()
+        self.kernel_settings["o_proj_fold"] = (
+            "on (GRAPHATTN_FOLD_O_PROJ=1): o_proj runs inside the attention op"
+            if self.fold_o_proj
+            else "off (GRAPHATTN_FOLD_O_PROJ=1 folds o_proj into the attention op)"
+        )
         self.compile_sizes = config.resolved_compile_sizes(self.device, graphed, self.dtype)
         self.compiled = self._compile()
         forward = self.compiled if self.compiled is not None else _one_tensor(self.model)
@@ -305,6 +311,7 @@ class CompiledModel:
             trace_cache=c.trace_cache,
             verify_trace_cache=c.debug,
             inductor_pdl=self.inductor_pdl,
+            fold_o_proj=self.fold_o_proj,
         )
         n = c.max_num_tokens
         example = (self.runner.buffers.input_ids.gpu[:n], self.runner.buffers.positions.gpu[:n])
@@ -415,6 +422,7 @@ def _kernel_settings(device: torch.device) -> dict[str, str]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     envs.inductor_pdl()  # read now, so a bad value fails before anything is allocated
+    envs.fold_o_proj()
     envs.check_pdl()
     return {"pdl": pdl.describe(device), "split_kv_merge": merge}
 

@@ -51,6 +51,17 @@ def inductor_pdl() -> bool:
     return raw == "1"
 
 
+def fold_o_proj() -> bool:
+    """``GRAPHATTN_FOLD_O_PROJ``: ``1`` moves each attention layer's o_proj into its
+    attention op before the split (``passes/o_proj_fold.py``; TRITON then multiplies by the
+    weight inside its split-KV reduction at one token, with fp32 atomic adds whose order
+    varies from run to run); ``0``, the default, leaves the graph as traced."""
+    raw = os.environ.get("GRAPHATTN_FOLD_O_PROJ", "0") or "0"
+    if raw not in ("0", "1"):
+        raise ConfigError(f"GRAPHATTN_FOLD_O_PROJ must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def check_pdl() -> None:
     """``GRAPHATTN_PDL`` (read by ``graphattn.kernels.pdl``, which imports only torch and
     triton): unset, empty, ``0`` or ``1``; anything else (``false``, ``off``) would leave

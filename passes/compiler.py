@@ -79,6 +79,7 @@ class CompileOptions:
     trace_cache: bool = True  # save the trace with the pieces; a warm start skips Dynamo
     verify_trace_cache: bool = False  # trace anyway and compare with the saved trace
     inductor_pdl: bool = False  # Inductor's Triton kernels launch with PDL (the engine decides)
+    fold_o_proj: bool = False  # o_proj into the attention op before the split (o_proj_fold.py)
 
 
 @dataclass
@@ -107,6 +108,8 @@ class CompileInfo:
     # the model's tensors no GEMV may take for a weight (a kernel of the step may write
     # them), by the traced graph's input name, and why; their linears stay on cuBLAS
     not_weights: dict[str, str] = field(default_factory=dict)
+    # attention layers whose o_proj runs inside the attention op (passes/o_proj_fold.py)
+    o_proj_folded: int = 0
 
 
 class CompiledForward:
@@ -197,7 +200,7 @@ def compile_model(
         logger.info("graphattn compile: traced %s in %.2f s", type(model).__name__, trace.seconds)
         if traces is not None:  # files and globals as traced, before a long compile
             sources = trace_sources(trace, model)
-        split = _split(trace.graph_module, ops, dump, trace.binding.template)
+        split = _split(trace.graph_module, ops, dump, trace.binding.template, options.fold_o_proj)
         if built is not None:
             built, note = _verified(built, split, note)
     if built is None:
@@ -223,7 +226,7 @@ def compile_model(
     info.seconds = time.perf_counter() - start
     info.inductor_compiles = compile_count() - compiles_before
     _log_compiled(info)
-    retrace = _retracer(model, ops, compiler, piece_wrapper)
+    retrace = _retracer(model, ops, compiler, piece_wrapper, options.fold_o_proj)
     return CompiledForward(runtime, info, retrace, options.strict)
 
 
@@ -249,6 +252,7 @@ def _retracer(
     ops: frozenset[str],
     compiler: PieceCompiler,
     piece_wrapper: PieceWrapper | None,
+    fold_o_proj: bool = False,
 ) -> Callable[[torch.Tensor, torch.Tensor], tuple[PiecewiseRuntime, torch.Tensor]]:
     """What a recompile does: trace again for the new inputs (a profile run, like start-up),
     build the pieces (from the same cache; no compile_sizes), then run the step for real.
@@ -257,7 +261,9 @@ def _retracer(
     def retrace(ids: torch.Tensor, pos: torch.Tensor) -> tuple[PiecewiseRuntime, torch.Tensor]:
         with _profile_context():  # attention reads and writes nothing
             again = trace_model(model, *_at_least_two_tokens(ids, pos))
-        split = split_graph(again.graph_module, ops, again.binding.template)
+        split = split_graph(
+            again.graph_module, ops, again.binding.template, fold_o_proj=fold_o_proj
+        )
         rebuilt = PiecewiseRuntime(again.binding, again.signature, split, compiler)
         _wrap_pieces(rebuilt, piece_wrapper)
         return rebuilt, rebuilt(ids, pos)
@@ -320,10 +326,11 @@ def _split(
     ops: frozenset[str],
     dump: DebugDump | None,
     input_values: list[object],
+    fold_o_proj: bool = False,
 ) -> SplitGraph:
     if dump is not None:
         dump.write("graph_before_split.py", gm.print_readable(print_output=False))
-    split = split_graph(gm, ops, input_values)
+    split = split_graph(gm, ops, input_values, fold_o_proj=fold_o_proj)
     if dump is not None:
         dump.write("graph_after_split.py", _describe_split(split))
     compiled = len(split.compiled_pieces)
@@ -348,6 +355,7 @@ def _base_factors(
         "trace_tokens": trace_tokens,
         # a patch of Inductor's config per build: not in the config described below
         "inductor_pdl": options.inductor_pdl,
+        "fold_o_proj": options.fold_o_proj,  # changes the traced graph before its split
     }
     factors = base_factors(options.cache_factors, passes.uuid(), settings)
     matmul = torch.backends.cuda.matmul
@@ -581,6 +589,7 @@ def _info(options, split, compiler, cache, passes, dump, sizes) -> CompileInfo:
         passes=passes.names if options.compile_backend == "inductor" else [],
         debug_dump_dir=dump.dir if dump is not None else "",
         not_weights=dict(split.not_weights),
+        o_proj_folded=split.o_proj_folded,
     )
 
 

@@ -98,7 +98,7 @@ def add_rms_norm_gemv(
 
 @add_rms_norm_gemv.register_fake
 def _add_rms_norm_gemv_fake(x, residual, weight, norm_weight, eps):
-    return x.new_empty((1, weight.shape[0])), torch.empty_like(x)
+    return weight.new_empty((1, weight.shape[0])), torch.empty_like(residual)
 
 
 @torch.library.custom_op("graphattn::silu_mul_gemv", mutates_args=())
@@ -146,7 +146,7 @@ def add_rms_norm_gemv_silu_mul(
 
 @add_rms_norm_gemv_silu_mul.register_fake
 def _add_rms_norm_gemv_silu_mul_fake(x, residual, weight, norm_weight, eps):
-    return x.new_empty((1, weight.shape[0] // 2)), torch.empty_like(x)
+    return weight.new_empty((1, weight.shape[0] // 2)), torch.empty_like(residual)
 
 
 @torch.library.custom_op("graphattn::rms_norm_gemv_rope", mutates_args=())
@@ -197,7 +197,7 @@ def add_rms_norm_gemv_rope(
 
 @add_rms_norm_gemv_rope.register_fake
 def _add_rms_norm_gemv_rope_fake(x, residual, weight, norm_weight, eps, cos, sin, d, rotated):
-    return x.new_empty((1, weight.shape[0])), torch.empty_like(x)
+    return weight.new_empty((1, weight.shape[0])), torch.empty_like(residual)
 
 
 ROPE_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel reads
@@ -284,6 +284,9 @@ def _fold_rms_norm(graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) ->
         return False
     h, norm_weight, eps, chain = match
     residual_add = _residual_add(h)
+    rounded = None
+    if residual_add is not None:  # an fp32 addend rounded just before: the kernel rounds it
+        residual_add, rounded = _fp32_addend(*residual_add)
     # the fused call goes right after h (so every user of h can read its second output),
     # where the weights must already exist: parameters, as graph inputs or attributes
     inputs_first = all(n.op in ("placeholder", "get_attr") for n in (weight, norm_weight))
@@ -298,7 +301,7 @@ def _fold_rms_norm(graph: fx.Graph, mm: fx.Node, x: fx.Node, weight: fx.Node) ->
         out, total = _outputs(graph, call)
         mm.replace_all_uses_with(out)
         h.replace_all_uses_with(total)
-        chain = [mm, *chain, h]
+        chain = [mm, *chain, h, *([rounded] if rounded is not None else [])]
     else:
         with graph.inserting_before(mm):
             out = graph.call_function(
@@ -742,6 +745,26 @@ def _residual_add(h: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         if t.stride(-1) != 1:
             return None
     return a, b
+
+
+def _fp32_addend(a: fx.Node, b: fx.Node) -> tuple[tuple[fx.Node, fx.Node], fx.Node | None]:
+    """``((x32, other), cast)`` when one addend is ``cast = convert_element_type(x32, dtype)``
+    of an fp32 row read only by the add (the attention op's fp32 o_proj output,
+    ``o_proj_fold.py``): the residual GEMV takes x32 and rounds it to the dtype itself.
+    Else ``((a, b), None)``."""
+    for cast, other in ((a, b), (b, a)):
+        if not _is(cast, prims.convert_element_type.default):
+            continue
+        source = cast.args[0]
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if (
+            isinstance(val, torch.Tensor)
+            and val.dtype == torch.float32
+            and val.shape == cast.meta["val"].shape
+            and val.stride(-1) == 1
+        ):
+            return (source, other), cast
+    return (a, b), None
 
 
 def _outputs(graph: fx.Graph, call: fx.Node) -> tuple[fx.Node, fx.Node]:

@@ -24,7 +24,11 @@ from torch.fx.passes.split_module import split_module
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from graphattn.attention.ops import DEFAULT_SPLITTING_OPS
+from graphattn.attention.ops import (
+    ATTENTION_O_PROJ_NAME,
+    ATTENTION_O_PROJ_OP,
+    DEFAULT_SPLITTING_OPS,
+)
 from graphattn.errors import ConfigError
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -49,6 +53,9 @@ class SplitGraph:
     # the tensor inputs of the split graph (by name) that no GEMV may take for its weight,
     # and why (``mark_model_inputs``); the report shows them
     not_weights: dict[str, str] = field(default_factory=dict)
+    # attention layers whose o_proj the split graph runs inside the attention op
+    # (passes/o_proj_fold.py)
+    o_proj_folded: int = 0
 
     @property
     def compiled_pieces(self) -> list[Piece]:
@@ -63,16 +70,30 @@ def resolve_splitting_ops(names: Sequence[str] | None) -> frozenset[str]:
         names = DEFAULT_SPLITTING_OPS
     if isinstance(names, str):
         raise ConfigError(f"splitting_ops must be a list of op names, got the string {names!r}")
-    return frozenset(_check_op_name(name) for name in names)
+    ops = frozenset(_check_op_name(name) for name in names)
+    if ops & {_ATTENTION, f"{_ATTENTION}.default"}:  # o_proj_fold's op takes attention's place
+        ops |= {ATTENTION_O_PROJ_NAME}
+    return ops
+
+
+_ATTENTION = "graphattn::unified_attention_with_output"
 
 
 def split_graph(
     gm: fx.GraphModule,
     splitting_ops: frozenset[str],
     input_values: Sequence[object] | None = None,
+    *,
+    fold_o_proj: bool = False,
 ) -> SplitGraph:
     """Split ``gm`` (changed in place: sizes are localised) into pieces at ``splitting_ops``
-    (``input_values``: ``gm``'s inputs, as ``mark_model_inputs`` takes them)."""
+    (``input_values``: ``gm``'s inputs, as ``mark_model_inputs`` takes them; ``fold_o_proj``:
+    first move each attention layer's o_proj into its attention op, ``o_proj_fold.py``,
+    where the ops are split at attention)."""
+    if fold_o_proj and ATTENTION_O_PROJ_NAME in splitting_ops:
+        from graphattn.passes.o_proj_fold import fold_o_proj as fold
+
+        fold(gm.graph)
     assignment = assign_pieces(gm.graph, splitting_ops)
     localise_symbolic_values(gm.graph, assignment)
     gm.recompile()
@@ -97,7 +118,13 @@ def split_graph_of(
         pieces.append(Piece(index, call.target, module, splitting))
     splitting_pieces = {p.name for p in pieces if p.is_splitting}
     not_weights = mark_model_inputs(split, calls, input_values, splitting_pieces)
-    return SplitGraph(split, pieces, not_weights)
+    folded = sum(
+        n.target is ATTENTION_O_PROJ_OP
+        for p in pieces
+        if p.is_splitting
+        for n in p.module.graph.nodes
+    )
+    return SplitGraph(split, pieces, not_weights, folded)
 
 
 # node.meta key of a piece's placeholder that is an input of the whole model which no kernel

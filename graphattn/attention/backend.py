@@ -197,6 +197,25 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor:
         """Attention of the step's queries over the cache; writes and returns ``output``."""
 
+    def forward_o_proj(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,  # None in the profile run
+        weight: torch.Tensor,  # [N, Hq * D], the output projection's weight
+    ) -> torch.Tensor:
+        """Attention, then the output projection: ``forward``'s rows ``[T, Hq * D] @
+        weight.T`` as fp32 ``[T, N]`` (the ``graphattn::unified_attention_o_proj`` op that
+        ``passes/o_proj_fold.py`` calls in place of attention and the o_proj linear). This
+        default runs ``forward`` and one matmul; a backend whose kernels can fold the
+        projection into attention overrides it (TRITON)."""
+        output = torch.empty_like(query)
+        self.forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        return project_fp32(output.view(query.shape[0], -1), weight)
+
     def do_kv_cache_update(
         self,
         layer: torch.nn.Module,
@@ -210,6 +229,15 @@ class AttentionImpl(ABC):
             f"{type(self).__name__} has no do_kv_cache_update: its backend must keep "
             "forward_includes_kv_cache_update = True (the default) and write the cache in forward"
         )
+
+
+def project_fp32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows @ weight.T`` as fp32. On CUDA a bf16 or fp16 matmul writes fp32 directly
+    (``mm``'s ``out_dtype``: the same fp32 sums the matmul rounds to its dtype, one kernel);
+    elsewhere the product is converted."""
+    if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(rows, weight.t(), out_dtype=torch.float32)
+    return torch.mm(rows, weight.t()).float()
 
 
 class AttentionBackend(ABC):

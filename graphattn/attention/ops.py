@@ -1,5 +1,7 @@
 """The custom ops the model is split at: ``graphattn::unified_attention_with_output`` and
-``graphattn::unified_kv_cache_update``.
+``graphattn::unified_kv_cache_update``, and ``graphattn::unified_attention_o_proj``, attention
+followed by the output projection, which ``passes/o_proj_fold.py`` puts in place of the
+first and the o_proj linear after it.
 
 They take only tensors and the layer name, so Dynamo and Inductor see an opaque call with
 a fake (meta) implementation; the real implementation finds the layer, its KV cache and
@@ -23,6 +25,14 @@ _lib.define("unified_kv_cache_update(Tensor key, Tensor value, str layer_name) -
 _lib.define(
     "unified_attention_with_output(Tensor query, Tensor key, Tensor value, Tensor(a!) output, "
     "str layer_name, Tensor? kv_cache_dep=None) -> ()"
+)
+
+# Attention and o_proj in one op: [T, Hq, D] attention rows @ weight.T, in fp32 ([T, N]). In
+# fp32 so that a backend can sum the projection over its KV heads with atomic adds; the graph
+# rounds it to the model's dtype right after, as the linear it replaces did.
+_lib.define(
+    "unified_attention_o_proj(Tensor query, Tensor key, Tensor value, Tensor weight, "
+    "str layer_name, Tensor? kv_cache_dep=None) -> Tensor"
 )
 
 
@@ -49,9 +59,26 @@ def _attention(
     bound.impl.forward(bound.layer, query, key, value, bound.kv_cache, metadata, output)
 
 
+def _attention_o_proj(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    weight: torch.Tensor,
+    layer_name: str,
+    kv_cache_dep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    ctx = get_forward_context()
+    bound = ctx.layer(layer_name)
+    metadata = None if ctx.attn_metadata is None else ctx.attn_metadata[layer_name]
+    return bound.impl.forward_o_proj(
+        bound.layer, query, key, value, bound.kv_cache, metadata, weight
+    )
+
+
 for _key in ("CPU", "CUDA"):
     _lib.impl("unified_kv_cache_update", _kv_cache_update, _key)
     _lib.impl("unified_attention_with_output", _attention, _key)
+    _lib.impl("unified_attention_o_proj", _attention_o_proj, _key)
 
 
 @torch.library.register_fake("graphattn::unified_kv_cache_update")
@@ -64,10 +91,19 @@ def _attention_fake(query, key, value, output, layer_name, kv_cache_dep=None) ->
     return None
 
 
+@torch.library.register_fake("graphattn::unified_attention_o_proj")
+def _attention_o_proj_fake(query, key, value, weight, layer_name, kv_cache_dep=None):
+    return query.new_empty((query.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
 ATTENTION_OP = torch.ops.graphattn.unified_attention_with_output.default
 KV_CACHE_UPDATE_OP = torch.ops.graphattn.unified_kv_cache_update.default
-# What the piecewise compiler splits at unless the config names other ops.
+ATTENTION_O_PROJ_OP = torch.ops.graphattn.unified_attention_o_proj.default
+ATTENTION_O_PROJ_NAME = "graphattn::unified_attention_o_proj"
+# What the piecewise compiler splits at unless the config names other ops (the o_proj op
+# is split at wherever attention is: split.resolve_splitting_ops adds it).
 DEFAULT_SPLITTING_OPS = (
     "graphattn::unified_attention_with_output",
     "graphattn::unified_kv_cache_update",
+    ATTENTION_O_PROJ_NAME,
 )

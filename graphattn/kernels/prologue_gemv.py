@@ -99,7 +99,12 @@ def rms_norm_gemv(
     halves or of both columns of each rotated pair, so it is at least 2); None picks the
     one-row config for the weight's shape (``choose_prologue_config``)."""
     expect_ndim("weight", weight, 2, "[N, K]")
-    _check_row("x", x, weight, weight.shape[1])
+    if residual is not None and x.dtype == torch.float32 and weight.dtype != torch.float32:
+        # an fp32 x (an fp32 o_proj row, passes/o_proj_fold.py) is rounded to the weight's
+        # dtype in the kernel before the add, as the graph rounds it
+        _check_row("x", x, weight, weight.shape[1], torch.float32)
+    else:
+        _check_row("x", x, weight, weight.shape[1])
     expect_ndim("norm_weight", norm_weight, 1, "[K]")
     expect_dim("norm_weight", norm_weight, 0, x.shape[1], "K")
     expect_unit_last_stride("norm_weight", norm_weight)
@@ -108,7 +113,7 @@ def rms_norm_gemv(
     if residual is not None:
         _check_row("residual", residual, weight, x.shape[1])
         expect_same_device({"x": x, "residual": residual})
-        h = torch.empty_like(x)
+        h = torch.empty_like(residual)
     else:
         residual = h = x  # unused by the kernel
     has_residual = residual is not h
@@ -157,7 +162,7 @@ def _launch(
     rows, k = weight.shape
     glu = epilogue == GLU
     n = rows // 2 if glu else rows  # output columns
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n, dtype=weight.dtype, device=x.device)
     if config is None and prologue == SILU_MUL:
         config = choose_gemv_config(1, rows, k, 1)  # the one-row configs do not depend on SMs
     elif config is None:
@@ -262,13 +267,20 @@ def _check_rotary(rotary: Rotary, weight: torch.Tensor, x: torch.Tensor) -> None
     expect_same_device({"x": x, "rotary.cos": rotary.cos, "rotary.sin": rotary.sin})
 
 
-def _check_row(name: str, t: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+def _check_row(
+    name: str, t: torch.Tensor, weight: torch.Tensor, k: int, dtype: torch.dtype | None = None
+) -> None:
+    """A ``[1, K]`` row with unit last stride, of the weight's dtype (or of ``dtype``)."""
     expect_ndim(name, t, 2, "[1, K]")
     expect_dim(name, t, 0, 1, "rows")
     expect_dim(name, t, 1, k, "K")
     expect_unit_last_stride(name, t)
-    expect_dtype(name, t, PROLOGUE_DTYPES)
-    expect_dtype("weight", weight, (t.dtype,))
+    if dtype is not None:
+        expect_dtype(name, t, (dtype,))
+        expect_dtype("weight", weight, PROLOGUE_DTYPES)
+    else:
+        expect_dtype(name, t, PROLOGUE_DTYPES)
+        expect_dtype("weight", weight, (t.dtype,))
     expect_ndim("weight", weight, 2, "[N, K]")
     expect_min_dim("weight", weight, 0, 1, "N")  # no program would run, h would stay unwritten
     if not weight.is_contiguous():
@@ -402,7 +414,7 @@ def _prologue(
     for SILU_MUL)."""
     dtype = out_ptr.dtype.element_ty
     if PROLOGUE == 0:  # RMS_NORM: h * norm_w now, the row's rsqrt after the loop
-        h = _load(x_ptr + offs, ok, EVEN_K)
+        h = _load(x_ptr + offs, ok, EVEN_K).to(dtype)  # an fp32 x is rounded first
         if HAS_RESIDUAL:
             h = (h.to(tl.float32) + _load(res_ptr + offs, ok, EVEN_K).to(tl.float32)).to(dtype)
             tl.store(h_ptr + offs, h, mask=offs < h_len)

@@ -129,6 +129,54 @@ def reduce_splits(
     )
 
 
+# Output rows of o_proj per program of the folded reduction: a program holds its
+# [64, group * head_size] weight tile (64 x 256 at Llama-3.2-1B's shape) in registers across
+# its PDL wait, and 8 KV heads x 32 row blocks give 256 programs of 4 warps, two an SM, so
+# all of them can be in flight at once. A first build with 8 warps cost 12 us a layer on the
+# H200, likely two waves of programs (docs/results/o-proj-fold-round37-h200.log).
+O_PROJ_BLOCK_N = 64
+O_PROJ_WARPS = 4
+
+
+def reduce_splits_o_proj(
+    scratch: SplitScratch,
+    out: torch.Tensor,  # [T, N] fp32, zero (the attention launch zeroes it)
+    weight: torch.Tensor,  # [N, Hq * D], o_proj's weight
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    plan: AttentionPlan,
+) -> None:
+    """Merge the partial results of every real token and multiply them by o_proj's weight
+    in the same launch: ``out[t] += merged[t] @ weight.T``, each program adding one KV
+    head's share (its query heads' columns of ``weight``) to a block of ``out``'s columns
+    with fp32 atomic adds (docs/performance.md, "o_proj in the split reduction").
+
+    The merged rows are rounded to the weight's dtype first, as the attention output is
+    stored before o_proj reads it. The adds of the KV heads land in no fixed order, so the
+    sum's last bits can differ from run to run."""
+    pdl = launch_options(out.device)
+    n = weight.shape[0]
+    _reduce_o_proj_kernel[(plan.num_kv_heads, triton.cdiv(n, O_PROJ_BLOCK_N))](
+        scratch.out,
+        scratch.lse,
+        weight,
+        out,
+        query_start_loc,
+        plan.num_reqs,
+        n,
+        weight.stride(0),
+        out.stride(0),
+        NUM_SPLITS=plan.num_splits,
+        GROUP=plan.group,
+        G_PAD=plan.group_pad,
+        HEAD_SIZE=plan.head_size,
+        D_PAD=triton.next_power_of_2(plan.head_size),
+        BLOCK_N=O_PROJ_BLOCK_N,
+        PDL=bool(pdl),
+        num_warps=O_PROJ_WARPS,
+        **pdl,
+    )
+
+
 @triton.jit
 def store_partial(
     part_out_ptr,
@@ -260,3 +308,67 @@ def _reduce_kernel(
     out = tl.sum(parts * weight[:, None], 0) / total  # [D]
     dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _reduce_o_proj_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    w_ptr,  # [N, Hq * D]
+    y_ptr,  # [T, N] fp32, zero before the launch
+    query_start_loc_ptr,
+    num_reqs,
+    N,
+    stride_wn,
+    stride_yt,
+    NUM_SPLITS: tl.constexpr,  # a constexpr: the loops over the splits unroll, loads all in flight
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # launched with launch_pdl: the weight tile, signal, wait (pdl.py)
+):
+    kv_head = tl.program_id(0)
+    num_heads = tl.num_programs(0) * GROUP
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
+    row_ok = rows < N
+    g = tl.arange(0, G_PAD)  # [G] query head of the group
+    d = tl.arange(0, D_PAD)  # [D]
+    head = kv_head * GROUP + g  # [G]
+    gd_ok = (g < GROUP)[:, None] & (d < HEAD_SIZE)[None, :]  # [G, D]
+    cols = (head * HEAD_SIZE)[:, None] + d[None, :]  # [G, D] o_proj input columns
+    # The weight tile and the batch's end first: no kernel of the step writes either (the
+    # step's metadata is staged before its first kernel), so they are read before the wait,
+    # while attention runs with the memory nearly idle.
+    w = tl.load(
+        w_ptr + (rows.to(tl.int64) * stride_wn)[:, None, None] + cols[None, :, :],
+        mask=row_ok[:, None, None] & gd_ok[None, :, :],
+        other=0.0,
+    )  # [BN, G, D]
+    end = tl.load(query_start_loc_ptr + num_reqs)  # padding tokens past it stay zero
+    if PDL:  # let the next kernel in now, then wait for the partial results
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    for t in range(0, end):
+        first = (t * num_heads + head.to(tl.int64)) * NUM_SPLITS  # [G] split 0's row
+        top = tl.full([G_PAD], float("-inf"), tl.float32)
+        for split in tl.static_range(NUM_SPLITS):
+            lse = tl.load(part_lse_ptr + first + split, mask=g < GROUP, other=float("-inf"))
+            top = tl.maximum(top, lse)
+        top = tl.where(top > float("-inf"), top, 0.0)  # no key at all: every weight is 0
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        total = tl.zeros([G_PAD], tl.float32)
+        for split in tl.static_range(NUM_SPLITS):  # in split order, as the reduction sums
+            row = first + split
+            lse = tl.load(part_lse_ptr + row, mask=g < GROUP, other=float("-inf"))
+            weight = tl.exp2(lse - top)  # 1 for the largest split, 0 for empty ones
+            part = tl.load(
+                part_out_ptr + row[:, None] * HEAD_SIZE + d[None, :], mask=gd_ok, other=0.0
+            )
+            acc += part * weight[:, None]
+            total += weight
+        x = acc / tl.maximum(total, 1.0)[:, None]  # [G, D], the merged attention rows
+        x = x.to(w_ptr.dtype.element_ty).to(tl.float32)  # as the attention output is stored
+        y = tl.sum(tl.sum(w.to(tl.float32) * x[None, :, :], 2), 1)  # [BN]
+        tl.atomic_add(y_ptr + t * stride_yt + rows, y, mask=row_ok, sem="relaxed")

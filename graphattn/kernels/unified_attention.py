@@ -62,6 +62,7 @@ def unified_attention(
     scratch: split_kv.SplitScratch | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     fused_merge: bool | None = None,
+    o_proj: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached sequence; see the module.
 
@@ -75,6 +76,11 @@ def unified_attention(
     which every request has one query token (decodes): the one program whose keys include a
     request's last position writes that token's key and value, then reads them back with the
     rest of its tile.
+
+    ``o_proj = (weight [N, Hq * D], out [T, N] fp32)`` (split-KV with the reduction kernel
+    only): this launch zeroes ``out`` and the reduction multiplies the merged rows by
+    o_proj's weight into it (``split_kv.reduce_splits_o_proj``) instead of writing
+    ``output``; returns ``out``.
     """
     _check(query, key_cache, value_cache, output, block_table, query_start_loc, seq_lens, plan)
     if new_kv is not None:
@@ -88,6 +94,11 @@ def unified_attention(
         key = value = slot_mapping = query  # unused by the kernel
         stride_kt = stride_kh = stride_vt = stride_vh = 0
     merge = plan.num_splits > 1 and (split_kv.fused_merge() if fused_merge is None else fused_merge)
+    if o_proj is not None:
+        _check_o_proj(o_proj, query, plan, merge)
+        zero = o_proj[1]
+    else:
+        zero = seq_lens  # unused by the kernel
     if plan.num_splits > 1:
         split_kv.check_scratch(scratch, plan, query.device, fused=merge)
         partial_out, partial_lse = scratch.out, scratch.lse
@@ -121,6 +132,8 @@ def unified_attention(
         key,
         value,
         slot_mapping,
+        zero,
+        zero.numel() if o_proj is not None else 0,
         plan.num_reqs,
         score_scale,
         cap_scale,
@@ -138,12 +151,47 @@ def unified_attention(
         stride_vt,
         stride_vh,
         WRITE_KV=new_kv is not None,
+        ZERO_BLOCK=ZERO_BLOCK if o_proj is not None else 0,
         **constants,
         **pdl,
     )
+    if o_proj is not None:
+        split_kv.reduce_splits_o_proj(scratch, o_proj[1], o_proj[0], query_start_loc, plan)
+        return o_proj[1]
     if plan.num_splits > 1 and not merge:
         split_kv.reduce_splits(scratch, output, query_start_loc, plan)
     return output
+
+
+ZERO_BLOCK = 64  # elements of o_proj's output each attention program zeroes at a time
+
+
+def _check_o_proj(
+    o_proj: tuple[torch.Tensor, torch.Tensor],
+    query: torch.Tensor,
+    plan: AttentionPlan,
+    merge: bool,
+) -> None:
+    """What the folded o_proj needs: split-KV merged by the reduction kernel, a contiguous
+    ``[N, Hq * D]`` weight of the query's dtype and a contiguous fp32 ``[T, N]`` output."""
+    if plan.num_splits < 2 or merge:
+        raise ValueError(
+            f"o_proj folds into the split-KV reduction kernel: the plan has {plan.num_splits} "
+            f"split(s){' merged in the attention launch' if merge else ''}"
+        )
+    weight, out = o_proj
+    k = query.shape[1] * query.shape[2]
+    expect_ndim("o_proj weight", weight, 2, "[N, Hq * D]")
+    expect_dim("o_proj weight", weight, 1, k, "Hq * D")
+    expect_dtype("o_proj weight", weight, (query.dtype,))
+    expect_ndim("o_proj out", out, 2, "[T, N]")
+    expect_dim("o_proj out", out, 0, query.shape[0], "T")
+    expect_dim("o_proj out", out, 1, weight.shape[0], "N")
+    expect_dtype("o_proj out", out, (torch.float32,))
+    expect_same_device({"query": query, "o_proj weight": weight, "o_proj out": out})
+    for name, t in (("o_proj weight", weight), ("o_proj out", out)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {list(t.stride())}")
 
 
 def kernel_constants(
@@ -212,6 +260,8 @@ def _attention_kernel(
     new_k_ptr,  # [T, Hkv, D], WRITE_KV only
     new_v_ptr,
     slot_ptr,  # [T] slot of each token, -1 = none
+    zero_ptr,  # [zero_numel] fp32 set to 0 after the wait, ZERO_BLOCK > 0 only (folded o_proj)
+    zero_numel,
     num_reqs,
     score_scale,
     cap_scale,
@@ -229,6 +279,7 @@ def _attention_kernel(
     stride_vt,
     stride_vh,
     WRITE_KV: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     D_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -294,6 +345,8 @@ def _attention_kernel(
             )  # fmt: skip
         if PDL:  # q and the new key and value come from the kernel before
             tl.extra.cuda.gdc_wait()
+    if ZERO_BLOCK > 0:  # after every wait: the kernels that read this memory before are done
+        _zero(zero_ptr, zero_numel, ZERO_BLOCK)
     if first >= q_len:  # no tile here; after the wait, so no kernel ends before the one before
         return
     q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh  # [M]
@@ -347,6 +400,17 @@ def _attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=store_mask,
         )
+
+
+@triton.jit
+def _zero(ptr, numel, BLOCK: tl.constexpr):
+    """This program's share of ``ptr[:numel] = 0``, strided over the launch's programs."""
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+    pid += tl.program_id(2)
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    for start in range(pid * BLOCK, numel, programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < numel)
 
 
 @triton.jit

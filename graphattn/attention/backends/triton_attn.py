@@ -40,6 +40,11 @@ from graphattn.kernels.attention_plan import MAX_GROUP, choose_num_splits  # no 
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 CPU_NUM_SMS = 4  # "SMs" the split choice assumes under the interpreter (exercises split-KV)
+# The most tokens a step may have for forward_o_proj to fold o_proj into the split-KV
+# reduction: each of its programs merges every token's splits for its block of o_proj's
+# columns, so the merge's reads grow with the tokens times the column blocks (32 at
+# Llama-3.2-1B's shape). Measured only at one token (docs/performance.md).
+O_PROJ_FOLD_MAX_TOKENS = 1
 
 
 @dataclass(slots=True)
@@ -142,6 +147,29 @@ class TritonImpl(AttentionImpl):
         if attn_metadata is None:  # profile run
             return output.zero_()
         md: TritonMetadata = attn_metadata
+        return self._launch(query, key, value, kv_cache, md, output, self.plan_of(md, query))
+
+    def forward_o_proj(self, layer, query, key, value, kv_cache, attn_metadata, weight):
+        """Attention and o_proj; for a step of at most ``O_PROJ_FOLD_MAX_TOKENS`` tokens
+        with split-KV merged by the reduction kernel, o_proj runs inside that kernel
+        (``split_kv.reduce_splits_o_proj``): one launch and one kernel boundary less per
+        layer. Anything else takes the base class's attention and matmul."""
+        md: TritonMetadata | None = attn_metadata
+        if md is not None and md.num_input_tokens <= O_PROJ_FOLD_MAX_TOKENS:
+            plan = self.plan_of(md, query)
+            foldable = (
+                plan.num_splits > 1
+                and not _kernels().split_kv.fused_merge()
+                and weight.dtype == query.dtype
+                and weight.is_contiguous()
+            )
+            if foldable:
+                out = query.new_empty((query.shape[0], weight.shape[0]), dtype=torch.float32)
+                output = torch.empty_like(query)  # not written: the reduction writes out
+                return self._launch(query, key, value, kv_cache, md, output, plan, (weight, out))
+        return super().forward_o_proj(layer, query, key, value, kv_cache, attn_metadata, weight)
+
+    def _launch(self, query, key, value, kv_cache, md, output, plan, o_proj=None):
         key_cache, value_cache = kv_cache.unbind(0)
         return _kernels().unified_attention.unified_attention(
             query,
@@ -151,7 +179,7 @@ class TritonImpl(AttentionImpl):
             md.block_table,
             md.query_start_loc,
             md.seq_lens,
-            self.plan(md, query.dtype, query.device.type),
+            plan,
             scale=self.scale,
             sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap,
@@ -159,7 +187,11 @@ class TritonImpl(AttentionImpl):
             # decodes: this launch also writes the step's keys and values (the update op
             # skipped them), one kernel per layer instead of two
             new_kv=(key, value, md.slot_mapping) if md.write_kv_in_attention else None,
+            o_proj=o_proj,
         )
+
+    def plan_of(self, md: TritonMetadata, query: torch.Tensor):
+        return self.plan(md, query.dtype, query.device.type)
 
     def plan(self, md: TritonMetadata, dtype: torch.dtype, device_type: str):
         """This layer's launch for the step (cached: a function of padded sizes only)."""

@@ -1,0 +1,185 @@
+"""o_proj folded into the split-KV reduction: the kernel (``split_kv.reduce_splits_o_proj``
+with the attention launch zeroing its output), the attention op that carries o_proj's
+weight, and the graph rewrite that makes the model call it (``passes/o_proj_fold.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_err
+from test_kernels import make_case, run_kernel
+
+from graphattn.kernels import split_kv
+from graphattn.kernels.split_kv import SplitScratch
+from graphattn.kernels.unified_attention import unified_attention
+
+
+def _folded(case, plan, weight, *, scale, out=None, scratch=None):
+    """The launch with o_proj folded: ``out`` poisoned with NaN first (the launch zeroes it)."""
+    if out is None:
+        out = torch.empty(case.query.shape[0], weight.shape[0], dtype=torch.float32)
+    out.fill_(float("nan"))
+    if scratch is None:
+        scratch = SplitScratch.allocate(
+            case.query.shape[0], case.key_cache.shape[2], case.query.shape[2], case.query.device
+        )
+    scratch.out.fill_(float("nan"))
+    scratch.lse.fill_(float("nan"))
+    result = unified_attention(
+        case.query, case.key_cache, case.value_cache, torch.empty_like(case.query),
+        case.block_table, case.query_start_loc, case.seq_lens, plan, scale=scale,
+        scratch=scratch, fused_merge=False, o_proj=(weight, out),
+    )  # fmt: skip
+    assert result is out
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "num_splits"), [(8, 2, 4), (6, 2, 3)])
+def test_folded_reduction_matches_attention_then_o_proj(dtype, num_heads, num_kv_heads, num_splits):
+    """Decodes with padding tokens and requests, a group of 3 (padded to 4) and 4, N not a
+    multiple of the row block: the sum of every KV head's share equals the attention rows
+    (rounded to the weight's dtype, as they are stored) times the weight; padding rows 0."""
+    shapes = [(0, 1), (15, 1), (40, 1), (7, 1)]
+    case = make_case(
+        shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64, block_size=16,
+        dtype=dtype, seed=5, pad_tokens=2, pad_reqs=1,
+    )  # fmt: skip
+    n_out = split_kv.O_PROJ_BLOCK_N + 24
+    gen = torch.Generator().manual_seed(9)
+    weight = (torch.randn(n_out, num_heads * 64, generator=gen) / 16).to(dtype)
+    plan = case.plan(num_splits)
+    attn = run_kernel(case, plan, scale=0.125)
+    n = case.num_tokens
+    expected = attn[:n].reshape(n, -1).to(dtype).float() @ weight.float().T
+    out = _folded(case, plan, weight, scale=0.125)
+    assert not out.isnan().any()
+    assert rel_err(out[:n], expected) < (1e-6 if dtype == torch.float32 else 2e-3)
+    assert torch.count_nonzero(out[n:]) == 0
+
+
+def test_folded_reduction_takes_only_what_it_can_fold():
+    case = make_case([(20, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    weight = torch.randn(32, 4 * 64)
+    with pytest.raises(ValueError, match="split-KV reduction kernel: the plan has 1 split"):
+        _folded(case, case.plan(1), weight, scale=0.1)
+    for bad, error, match in (
+        (torch.randn(32, 4 * 64 + 1), ValueError, "Hq \\* D"),
+        (torch.randn(32, 4 * 64, dtype=torch.float64), TypeError, "o_proj weight"),
+        (torch.randn(4 * 64, 32).T, ValueError, "contiguous"),
+    ):
+        with pytest.raises(error, match=match):
+            _folded(case, case.plan(2), bad, scale=0.1)
+    with pytest.raises(TypeError, match="o_proj out"):
+        _folded(case, case.plan(2), weight, scale=0.1, out=torch.empty(1, 32, dtype=torch.bfloat16))
+
+
+def _counting(monkeypatch, module, name, calls, label=None):
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls[label or name] = calls.get(label or name, 0) + 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
+def test_folded_llama_matches_the_unfolded_one(monkeypatch, tmp_path):
+    """A bf16 Llama compiled by Inductor (CPU, TRITON under the interpreter) with
+    GRAPHATTN_FOLD_O_PROJ=1: its graph holds no o_proj linear; a one-token step runs o_proj
+    in the split reduction and gate_up's prologue reads the fp32 row; a prefill runs
+    attention and the matmul; both match the engine without the fold."""
+    from helpers import small_bf16_llama
+
+    import graphattn as ga
+    from graphattn.attention.backends import triton_attn
+    from graphattn.kernels import prologue_gemv as prologue_kernels
+    from graphattn.passes import single_row_gemv
+
+    monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
+    model = small_bf16_llama(128, 256, 96, norms_off_one=True)
+    common = dict(
+        cudagraph_mode="NONE",
+        attention_backend="TRITON",
+        compile_sizes=(1,),
+        max_num_seqs=2,
+        max_num_tokens=64,
+        max_model_len=64,
+        num_blocks=16,
+    )
+    engines = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", setting)
+        engines[setting] = ga.compile(model, cache_dir=str(tmp_path / setting), **common)
+    folded, plain = engines["1"], engines["0"]
+    assert folded.report.compile["o_proj_folded"] == 2
+    assert plain.report.compile["o_proj_folded"] == 0
+    assert folded.report.kernels["o_proj_fold"].startswith("on")
+    assert folded.report.compile["cache_key"] != plain.report.compile["cache_key"]
+    calls: dict[str, int] = {}
+    _counting(monkeypatch, split_kv, "reduce_splits_o_proj", calls)
+    _counting(monkeypatch, split_kv, "reduce_splits", calls)
+    real_norm_gemv = prologue_kernels.rms_norm_gemv
+
+    def norm_gemv(x, *args, **kwargs):
+        label = f"rms_norm_gemv {x.dtype} {kwargs.get('epilogue')}"
+        calls[label] = calls.get(label, 0) + 1
+        return real_norm_gemv(x, *args, **kwargs)
+
+    monkeypatch.setattr(prologue_kernels, "rms_norm_gemv", norm_gemv)
+    prompt = ga.Request(list(range(1, 40)), 0, [0, 1, 2])
+    got = folded.step(ga.Batch.from_requests([prompt]))
+    want = plain.step(ga.Batch.from_requests([prompt]))
+    assert rel_err(got, want) < 2e-2
+    assert "reduce_splits_o_proj" not in calls  # a prefill: attention, then the matmul
+    calls.clear()
+    step = ga.Batch.from_requests([ga.Request([9], 39, [0, 1, 2])])
+    got = folded.step(step)
+    # per layer: o_proj in the reduction; gate_up's prologue takes the fp32 row (layer 1's
+    # qkv takes the bf16 sum of the MLP)
+    assert calls == {
+        "reduce_splits_o_proj": 2,
+        "rms_norm_gemv torch.float32 silu_mul": 2,
+        "rms_norm_gemv torch.bfloat16 rope": 2,
+    }
+    want = plain.step(step)
+    assert rel_err(got, want) < 2e-2
+    assert triton_attn.O_PROJ_FOLD_MAX_TOKENS == 1
+
+
+@pytest.mark.gpu
+def test_folded_llama_in_full_graphs_on_cuda(monkeypatch, tmp_path):
+    """The fold on the GPU: FULL graphs of one token record the folded reduction (counted
+    while the engine captures: a replay runs no Python), and decode steps at 1 and 2 tokens
+    (the second without the fold: attention, then the fp32 matmul) match the engine without
+    it; prefills (PIECEWISE) too."""
+    from helpers import small_bf16_llama
+
+    import graphattn as ga
+
+    model = small_bf16_llama(512, 512, 512, device="cuda", norms_off_one=True)
+    common = dict(
+        max_num_seqs=4, max_num_tokens=64, max_model_len=128, num_blocks=32,
+        cudagraph_capture_sizes=(1, 2, 4), attention_backend="TRITON",
+    )  # fmt: skip
+    calls: dict[str, int] = {}
+    _counting(monkeypatch, split_kv, "reduce_splits_o_proj", calls)
+    engines = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", setting)
+        engines[setting] = ga.compile(model, cache_dir=str(tmp_path / setting), **common)
+        if setting == "1":
+            assert calls.get("reduce_splits_o_proj", 0) >= 2  # the size-1 FULL graph's layers
+    folded, plain = engines["1"], engines["0"]
+    assert folded.report.compile["o_proj_folded"] == 2
+    prompts = [ga.Request(list(range(1, 30)), 0, [0, 1]), ga.Request(list(range(5, 20)), 0, [2])]
+    for engine in (folded, plain):
+        engine.step(ga.Batch.from_requests(prompts))
+    for batch in (
+        [ga.Request([7], 29, [0, 1])],
+        [ga.Request([7], 29, [0, 1]), ga.Request([3], 15, [2])],
+    ):
+        step = ga.Batch.from_requests(batch)
+        got, want = folded.step(step), plain.step(step)
+        assert rel_err(got, want) < 2e-2, len(batch)
+    assert folded.stats.runtime_modes["FULL"] == 2
