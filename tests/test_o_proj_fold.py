@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import DEVICES, rel_err
 from test_kernels import make_case, run_kernel
 
 from graphattn.kernels import split_kv
@@ -145,6 +145,15 @@ def test_folded_llama_matches_the_unfolded_one(monkeypatch, tmp_path):
     want = plain.step(step)
     assert rel_err(got, want) < 2e-2
     assert triton_attn.O_PROJ_FOLD_MAX_TOKENS == 1
+    # a second engine with the fold takes its trace, folded, from the trace cache
+    monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "1")
+    warm = ga.compile(model, cache_dir=str(tmp_path / "1"), **common)
+    assert warm.report.compile["trace_source"] == "trace cache"
+    assert warm.report.compile["o_proj_folded"] == 2
+    warm.step(ga.Batch.from_requests([prompt]))
+    calls.clear()
+    assert torch.equal(warm.step(step), got)
+    assert calls["reduce_splits_o_proj"] == 2
 
 
 @pytest.mark.gpu
@@ -183,3 +192,121 @@ def test_folded_llama_in_full_graphs_on_cuda(monkeypatch, tmp_path):
         got, want = folded.step(step), plain.step(step)
         assert rel_err(got, want) < 2e-2, len(batch)
     assert folded.stats.runtime_modes["FULL"] == 2
+
+
+class _ProjModel(torch.nn.Module):
+    """Table q/k/v, one ``ga.Attention`` and an output projection, in the shapes the rewrite
+    must leave alone when asked: a bias, a weight used twice, the attention rows read twice."""
+
+    def __init__(self, *, bias=False, tied=False, reuse_rows=False, backend="TORCH_REF"):
+        super().__init__()
+        import graphattn as ga
+
+        gen = torch.Generator().manual_seed(3)
+        vocab, heads, kv_heads, d = 32, 4, 2, 64
+        self.vocab_size = vocab
+        self.q = torch.nn.Parameter(torch.randn(vocab, heads * d, generator=gen), False)
+        self.kv = torch.nn.Parameter(torch.randn(vocab, 2 * kv_heads * d, generator=gen), False)
+        self.attn = ga.Attention(heads, d, d**-0.5, kv_heads, prefix="attn", backend=backend)
+        self.o_proj = torch.nn.Linear(heads * d, 48, bias=bias)
+        with torch.no_grad():
+            self.o_proj.weight.copy_(torch.randn(48, heads * d, generator=gen) / 16)
+        self.tied, self.reuse_rows = tied, reuse_rows
+
+    def forward(self, input_ids, positions):
+        k, v = self.kv[input_ids].chunk(2, -1)
+        rows = self.attn(self.q[input_ids], k, v)
+        out = self.o_proj(rows)
+        if self.tied:  # the weight read again: not a weight only o_proj reads
+            out = out + (rows @ self.o_proj.weight.T).flip(-1)
+        if self.reuse_rows:
+            out = out + rows[:, :48]
+        return out
+
+
+_SMALL = dict(max_num_seqs=2, max_num_tokens=32, max_model_len=64, num_blocks=8)
+
+
+@pytest.mark.parametrize(
+    ("shape", "folded"),
+    [({}, 1), ({"bias": True}, 0), ({"tied": True}, 0), ({"reuse_rows": True}, 0)],
+)
+def test_rewrite_takes_only_the_plain_projection(monkeypatch, shape, folded):
+    """Split without Inductor (compile_backend="eager"): the plain o_proj folds into the op,
+    a bias, a shared weight or attention rows read elsewhere keep the traced graph; each
+    engine's steps (the generic path: attention, then the fp32 matmul) match the unfolded
+    engine's."""
+    import graphattn as ga
+
+    monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "1")
+    model = _ProjModel(**shape)
+    eng = ga.compile(model, compile_backend="eager", cudagraph_mode="NONE", **_SMALL)
+    assert eng.report.compile["o_proj_folded"] == folded
+    monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "0")
+    ref = ga.compile(model, compile_backend="eager", cudagraph_mode="NONE", **_SMALL)
+    assert ref.report.compile["o_proj_folded"] == 0
+    for batch in (
+        [ga.Request(list(range(1, 20)), 0, [0, 1])],
+        [ga.Request([5], 19, [0, 1]), ga.Request([4, 5, 6], 0, [2])],
+    ):
+        got, want = eng.step(ga.Batch.from_requests(batch)), ref.step(ga.Batch.from_requests(batch))
+        assert rel_err(got, want) < 1e-6
+
+
+def test_the_generic_path_is_attention_then_the_matmul():
+    """``AttentionImpl.forward_o_proj`` of a backend that does not override it: forward's
+    rows times the weight, fp32; zeros in the profile run (no metadata)."""
+    from graphattn.attention.backends.torch_ref import TorchRefImpl
+
+    impl = TorchRefImpl(4, 16, 0.25, 2)
+    query = torch.randn(3, 4, 16)
+    weight = torch.randn(8, 64)
+    out = impl.forward_o_proj(
+        None, query, torch.randn(3, 2, 16), torch.randn(3, 2, 16), None, None, weight
+    )
+    assert out.dtype == torch.float32 and out.shape == (3, 8)
+    assert torch.count_nonzero(out) == 0  # the profile run: forward zeroes its rows
+
+
+def test_a_bad_fold_setting_is_a_config_error(monkeypatch):
+    import graphattn as ga
+    from graphattn.errors import ConfigError
+
+    monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "yes")
+    with pytest.raises(ConfigError, match="GRAPHATTN_FOLD_O_PROJ must be 0 or 1, got 'yes'"):
+        ga.compile(_ProjModel(), compile_backend="none", **_SMALL)
+
+
+def test_splitting_at_attention_splits_at_the_folded_op_too():
+    from graphattn.attention.ops import ATTENTION_O_PROJ_NAME, DEFAULT_SPLITTING_OPS
+    from graphattn.passes.split import resolve_splitting_ops
+
+    assert ATTENTION_O_PROJ_NAME in DEFAULT_SPLITTING_OPS
+    named = resolve_splitting_ops(["graphattn::unified_attention_with_output.default"])
+    assert ATTENTION_O_PROJ_NAME in named
+    assert ATTENTION_O_PROJ_NAME not in resolve_splitting_ops(["aten::mm"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prologue_gemv_rounds_an_fp32_row_before_the_add(device):
+    """``rms_norm_gemv`` with an fp32 x and a bf16 residual (the folded o_proj's row): the
+    same as rounding x to bf16 first, bit for bit; the sum comes back in bf16. The Triton
+    interpreter converts fp32 to bf16 by truncation (the GPU rounds to nearest even), so on
+    the CPU the expected x is truncated."""
+    from graphattn.kernels.prologue_gemv import rms_norm_gemv
+
+    gen = torch.Generator().manual_seed(2)
+    x32 = torch.randn(1, 256, generator=gen).to(device)
+    residual = torch.randn(1, 256, generator=gen).bfloat16().to(device)
+    weight = (torch.randn(96, 256, generator=gen) / 8).bfloat16().to(device)
+    norm = (torch.rand(256, generator=gen) + 0.5).bfloat16().to(device)
+    if device == "cpu":  # the interpreter's conversion: the low 16 bits dropped
+        x16 = (x32.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    else:
+        x16 = x32.bfloat16()
+    out, h = rms_norm_gemv(x32, weight, norm, 1e-5, residual)
+    want_out, want_h = rms_norm_gemv(x16, weight, norm, 1e-5, residual)
+    assert out.dtype == h.dtype == torch.bfloat16
+    assert torch.equal(h, want_h) and torch.equal(out, want_out)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        rms_norm_gemv(x32, weight, norm, 1e-5)  # fp32 only with a residual to round against
