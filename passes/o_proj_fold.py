@@ -3,8 +3,10 @@
 A model's layer calls ``graphattn::unified_attention_with_output`` into an ``empty_like(q)``
 buffer, views it as ``[T, Hq * D]`` and multiplies it by o_proj's weight. This rewrite,
 on the traced (Dynamo) graph before it is split into pieces, replaces the three with
-``graphattn::unified_attention_o_proj(q, k, v, weight, ...)``, whose result (fp32
-``[T, N]``) is rounded to the linear's dtype in the next piece, where the residual add and
+``graphattn::unified_attention_o_proj(q, k, v, weight, out, ...)`` into an fp32 ``[T, N]``
+buffer ``out`` made where the old buffer was (in the piece before the op, as attention's:
+under piecewise graphs it then lives in their pool, at the address the next piece's graph
+reads). The next piece rounds ``out`` to the linear's dtype, where the residual add and
 the norm read it (at one token ``passes/prologue_gemv.py`` takes the fp32 row into the
 next GEMV's prologue, rounding it there). The backend decides what the op runs
 (``AttentionImpl.forward_o_proj``): TRITON multiplies by the weight inside its split-KV
@@ -40,17 +42,24 @@ def fold_o_proj(graph: fx.Graph) -> int:
             continue
         args, buffer, view, linear, weight = match
         query, key, value, _, layer_name, dep = args
-        linear_val = linear.meta["example_value"]
-        with graph.inserting_before(linear):
-            proj = graph.call_function(
-                ATTENTION_O_PROJ_OP, (query, key, value, weight, layer_name, dep)
+        q_val, linear_val = query.meta["example_value"], linear.meta["example_value"]
+        n = linear_val.shape[1]
+        with graph.inserting_before(buffer):
+            tokens = graph.call_method("size", (query, 0))
+            out = graph.call_method("new_empty", (query, (tokens, n)), {"dtype": torch.float32})
+        with graph.inserting_before(node):
+            call = graph.call_function(
+                ATTENTION_O_PROJ_OP, (query, key, value, weight, out, layer_name, dep)
             )
-            rounded = graph.call_method("to", (proj, linear_val.dtype))
-        with linear_val.fake_mode:
-            proj.meta["example_value"] = torch.empty_like(linear_val, dtype=torch.float32)
+        with graph.inserting_before(linear):
+            rounded = graph.call_method("to", (out, linear_val.dtype))
+        tokens.meta["example_value"] = q_val.shape[0]
+        with q_val.fake_mode:
+            out.meta["example_value"] = q_val.new_empty((q_val.shape[0], n), dtype=torch.float32)
+        call.meta["example_value"] = None
         rounded.meta["example_value"] = linear_val
-        for meta in (proj.meta, rounded.meta):
-            meta["stack_trace"] = linear.meta.get("stack_trace")
+        for new in (tokens, out, call, rounded):
+            new.meta["stack_trace"] = linear.meta.get("stack_trace")
         linear.replace_all_uses_with(rounded)
         for dead in (linear, view, node, buffer):
             graph.erase_node(dead)

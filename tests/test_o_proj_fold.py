@@ -160,8 +160,9 @@ def test_folded_llama_matches_the_unfolded_one(monkeypatch, tmp_path):
 def test_folded_llama_in_full_graphs_on_cuda(monkeypatch, tmp_path):
     """The fold on the GPU: FULL graphs of one token record the folded reduction (counted
     while the engine captures: a replay runs no Python), and decode steps at 1 and 2 tokens
-    (the second without the fold: attention, then the fp32 matmul) match the engine without
-    it; prefills (PIECEWISE) too."""
+    (the second without the fold: attention, then the matmul), a mixed step of 4 tokens
+    (PIECEWISE graphs around the eager op, which writes the buffer the piece before made)
+    and a prefill (no graphs) match the engine without it."""
     from helpers import small_bf16_llama
 
     import graphattn as ga
@@ -169,7 +170,7 @@ def test_folded_llama_in_full_graphs_on_cuda(monkeypatch, tmp_path):
     model = small_bf16_llama(512, 512, 512, device="cuda", norms_off_one=True)
     common = dict(
         max_num_seqs=4, max_num_tokens=64, max_model_len=128, num_blocks=32,
-        cudagraph_capture_sizes=(1, 2, 4), attention_backend="TRITON",
+        cudagraph_capture_sizes=(1, 2, 4, 8), attention_backend="TRITON",
     )  # fmt: skip
     calls: dict[str, int] = {}
     _counting(monkeypatch, split_kv, "reduce_splits_o_proj", calls)
@@ -187,11 +188,13 @@ def test_folded_llama_in_full_graphs_on_cuda(monkeypatch, tmp_path):
     for batch in (
         [ga.Request([7], 29, [0, 1])],
         [ga.Request([7], 29, [0, 1]), ga.Request([3], 15, [2])],
+        [ga.Request([5], 29, [0, 1]), ga.Request([1, 2, 3], 15, [2, 3])],
     ):
         step = ga.Batch.from_requests(batch)
         got, want = folded.step(step), plain.step(step)
         assert rel_err(got, want) < 2e-2, len(batch)
     assert folded.stats.runtime_modes["FULL"] == 2
+    assert folded.stats.runtime_modes["PIECEWISE"] == 1
 
 
 class _ProjModel(torch.nn.Module):
@@ -255,17 +258,47 @@ def test_rewrite_takes_only_the_plain_projection(monkeypatch, shape, folded):
 
 def test_the_generic_path_is_attention_then_the_matmul():
     """``AttentionImpl.forward_o_proj`` of a backend that does not override it: forward's
-    rows times the weight, fp32; zeros in the profile run (no metadata)."""
+    rows times the weight in their dtype (rounded as the linear it replaces rounds them),
+    widened into the fp32 output; zeros in the profile run (no metadata)."""
     from graphattn.attention.backends.torch_ref import TorchRefImpl
 
     impl = TorchRefImpl(4, 16, 0.25, 2)
-    query = torch.randn(3, 4, 16)
-    weight = torch.randn(8, 64)
-    out = impl.forward_o_proj(
-        None, query, torch.randn(3, 2, 16), torch.randn(3, 2, 16), None, None, weight
-    )
-    assert out.dtype == torch.float32 and out.shape == (3, 8)
+    query, kv = torch.randn(3, 4, 16).bfloat16(), torch.randn(3, 2, 16).bfloat16()
+    weight = torch.randn(8, 64).bfloat16()
+    out = torch.full((3, 8), float("nan"))
+    assert impl.forward_o_proj(None, query, kv, kv, None, None, weight, out) is out
     assert torch.count_nonzero(out) == 0  # the profile run: forward zeroes its rows
+
+
+def test_the_folded_op_writes_a_buffer_of_the_piece_before(monkeypatch):
+    """After the split the op's output is an input of its splitting piece, made by the
+    compiled piece before it (as attention's is): piecewise graphs read it at the address
+    they were captured with, where an output the eager op allocated would move."""
+    import graphattn as ga
+    from graphattn.attention.ops import ATTENTION_O_PROJ_OP
+
+    monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "1")
+    eng = ga.compile(_ProjModel(), compile_backend="eager", cudagraph_mode="NONE", **_SMALL)
+    split = eng.compiled.runtime.split
+    calls = [
+        (piece, n)
+        for piece in split.pieces
+        for n in piece.module.graph.nodes
+        if n.target is ATTENTION_O_PROJ_OP
+    ]
+    assert len(calls) == 1
+    piece, call = calls[0]
+    assert piece.is_splitting
+    out = call.args[4]
+    assert out.op == "placeholder"
+    assert out.meta["example_value"].dtype == torch.float32
+
+    def allocations(p):
+        return [
+            n for n in p.module.graph.nodes if n.op == "call_method" and n.target == "new_empty"
+        ]
+
+    assert [len(allocations(p)) for p in split.pieces] == [1, 0, 0]  # the piece before the op
 
 
 def test_a_bad_fold_setting_is_a_config_error(monkeypatch):

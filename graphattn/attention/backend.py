@@ -206,15 +206,17 @@ class AttentionImpl(ABC):
         kv_cache: torch.Tensor,
         attn_metadata: Any,  # None in the profile run
         weight: torch.Tensor,  # [N, Hq * D], the output projection's weight
+        output: torch.Tensor,  # [T, N] fp32, written in place
     ) -> torch.Tensor:
         """Attention, then the output projection: ``forward``'s rows ``[T, Hq * D] @
-        weight.T`` as fp32 ``[T, N]`` (the ``graphattn::unified_attention_o_proj`` op that
-        ``passes/o_proj_fold.py`` calls in place of attention and the o_proj linear). This
-        default runs ``forward`` and one matmul; a backend whose kernels can fold the
-        projection into attention overrides it (TRITON)."""
-        output = torch.empty_like(query)
-        self.forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        return project_fp32(output.view(query.shape[0], -1), weight)
+        weight.T`` into the fp32 ``output`` (the ``graphattn::unified_attention_o_proj`` op
+        that ``passes/o_proj_fold.py`` calls in place of attention and the o_proj linear).
+        This default runs ``forward`` and the matmul in the rows' dtype, as the linear it
+        replaces did, then widens the product into ``output``; a backend whose kernels can
+        fold the projection into attention overrides it (TRITON)."""
+        rows = torch.empty_like(query)
+        self.forward(layer, query, key, value, kv_cache, attn_metadata, rows)
+        return output.copy_(torch.mm(rows.view(query.shape[0], -1), weight.t()))
 
     def do_kv_cache_update(
         self,
@@ -229,15 +231,6 @@ class AttentionImpl(ABC):
             f"{type(self).__name__} has no do_kv_cache_update: its backend must keep "
             "forward_includes_kv_cache_update = True (the default) and write the cache in forward"
         )
-
-
-def project_fp32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``rows @ weight.T`` as fp32. On CUDA a bf16 or fp16 matmul writes fp32 directly
-    (``mm``'s ``out_dtype``: the same fp32 sums the matmul rounds to its dtype, one kernel);
-    elsewhere the product is converted."""
-    if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(rows, weight.t(), out_dtype=torch.float32)
-    return torch.mm(rows, weight.t()).float()
 
 
 class AttentionBackend(ABC):

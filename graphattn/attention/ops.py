@@ -27,12 +27,14 @@ _lib.define(
     "str layer_name, Tensor? kv_cache_dep=None) -> ()"
 )
 
-# Attention and o_proj in one op: [T, Hq, D] attention rows @ weight.T, in fp32 ([T, N]). In
-# fp32 so that a backend can sum the projection over its KV heads with atomic adds; the graph
-# rounds it to the model's dtype right after, as the linear it replaces did.
+# Attention and o_proj in one op: [T, Hq, D] attention rows @ weight.T into output, fp32
+# [T, N]. In fp32 so that a backend can sum the projection over its KV heads with atomic
+# adds; the graph rounds it to the model's dtype right after, as the linear it replaces did.
+# Like attention's, its output is allocated by the piece before it (so, under piecewise
+# graphs, in the graphs' pool at a fixed address) and written in place.
 _lib.define(
     "unified_attention_o_proj(Tensor query, Tensor key, Tensor value, Tensor weight, "
-    "str layer_name, Tensor? kv_cache_dep=None) -> Tensor"
+    "Tensor(a!) output, str layer_name, Tensor? kv_cache_dep=None) -> ()"
 )
 
 
@@ -64,14 +66,15 @@ def _attention_o_proj(
     key: torch.Tensor,
     value: torch.Tensor,
     weight: torch.Tensor,
+    output: torch.Tensor,
     layer_name: str,
     kv_cache_dep: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> None:
     ctx = get_forward_context()
     bound = ctx.layer(layer_name)
     metadata = None if ctx.attn_metadata is None else ctx.attn_metadata[layer_name]
-    return bound.impl.forward_o_proj(
-        bound.layer, query, key, value, bound.kv_cache, metadata, weight
+    bound.impl.forward_o_proj(
+        bound.layer, query, key, value, bound.kv_cache, metadata, weight, output
     )
 
 
@@ -92,8 +95,8 @@ def _attention_fake(query, key, value, output, layer_name, kv_cache_dep=None) ->
 
 
 @torch.library.register_fake("graphattn::unified_attention_o_proj")
-def _attention_o_proj_fake(query, key, value, weight, layer_name, kv_cache_dep=None):
-    return query.new_empty((query.shape[0], weight.shape[0]), dtype=torch.float32)
+def _attention_o_proj_fake(query, key, value, weight, output, layer_name, kv_cache_dep=None):
+    return None
 
 
 ATTENTION_OP = torch.ops.graphattn.unified_attention_with_output.default

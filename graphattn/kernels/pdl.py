@@ -20,6 +20,10 @@ The kernels that use it, and how:
   cache itself are read after it;
 - mixed-batch attention and the split-KV reduction (``split_kv.py``): every read after the
   wait (a mixed batch's cache may come from the write kernel just before);
+- the opt-in reduction with o_proj folded in (``split_kv.reduce_splits_o_proj``): before
+  the wait its weight tile (a parameter) and the batch's end (metadata); the partial
+  results after it, and its atomic adds into the row that the attention launch zeroed
+  after its own wait;
 - the argmax's two passes (``argmax.py``, ``graphattn.greedy`` after the head): every read
   after the wait;
 - in all of them every read of activations and every store comes after the wait, so a
@@ -37,7 +41,8 @@ The kernels that use it, and how:
   after them can have its first weight tiles in flight while they run. With the early reads
   and prefetch above, the batch-1 step measured 16-19 us faster than without both; neither
   alone showed a gain (docs/performance-history.md, round 12). The argmax's passes signal at their
-  start too: a few dozen programs at batch 1.
+  start too: a few dozen programs at batch 1, and so does the folded reduction (signalling
+  after its adds measured slower, docs/results/o-proj-fold-round37-h200.log).
 
 ``GRAPHATTN_PDL=0`` turns it off. It is off on the CPU (the Triton interpreter), on ROCm and
 before compute capability 9.0, where the kernels launch normally.

@@ -149,7 +149,7 @@ class TritonImpl(AttentionImpl):
         md: TritonMetadata = attn_metadata
         return self._launch(query, key, value, kv_cache, md, output, self.plan_of(md, query))
 
-    def forward_o_proj(self, layer, query, key, value, kv_cache, attn_metadata, weight):
+    def forward_o_proj(self, layer, query, key, value, kv_cache, attn_metadata, weight, output):
         """Attention and o_proj; for a step of at most ``O_PROJ_FOLD_MAX_TOKENS`` tokens
         with split-KV merged by the reduction kernel, o_proj runs inside that kernel
         (``split_kv.reduce_splits_o_proj``): one launch and one kernel boundary less per
@@ -162,12 +162,14 @@ class TritonImpl(AttentionImpl):
                 and not _kernels().split_kv.fused_merge()
                 and weight.dtype == query.dtype
                 and weight.is_contiguous()
+                and output.is_contiguous()
             )
             if foldable:
-                out = query.new_empty((query.shape[0], weight.shape[0]), dtype=torch.float32)
-                output = torch.empty_like(query)  # not written: the reduction writes out
-                return self._launch(query, key, value, kv_cache, md, output, plan, (weight, out))
-        return super().forward_o_proj(layer, query, key, value, kv_cache, attn_metadata, weight)
+                rows = torch.empty_like(query)  # not written: the reduction writes output
+                return self._launch(query, key, value, kv_cache, md, rows, plan, (weight, output))
+        return super().forward_o_proj(
+            layer, query, key, value, kv_cache, attn_metadata, weight, output
+        )
 
     def _launch(self, query, key, value, kv_cache, md, output, plan, o_proj=None):
         key_cache, value_cache = kv_cache.unbind(0)
