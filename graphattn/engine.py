@@ -106,12 +106,7 @@ class CompiledModel:
         self.inductor_pdl, self.kernel_settings["inductor_pdl"] = _inductor_pdl(
             self.device, self.graphs.mode, config.compile_backend
         )
-        self.fold_o_proj = envs.fold_o_proj()
-        self.kernel_settings["o_proj_fold"] = (
-            "on (GRAPHATTN_FOLD_O_PROJ=1): o_proj runs inside the attention op"
-            if self.fold_o_proj
-            else "off (GRAPHATTN_FOLD_O_PROJ=1 folds o_proj into the attention op)"
-        )
+        self.fold_o_proj, self.kernel_settings["o_proj_fold"] = _fold_o_proj(config.compile_backend)
         self.compile_sizes = config.resolved_compile_sizes(self.device, graphed, self.dtype)
         self.compiled = self._compile()
         forward = self.compiled if self.compiled is not None else _one_tensor(self.model)
@@ -453,6 +448,17 @@ def _inductor_pdl(device: torch.device, mode: CUDAGraphMode, backend: str) -> tu
     if mode == CUDAGraphMode.NONE:
         return False, "off: no CUDA graphs (resolved mode NONE)"
     return True, "on (graphattn's builds set Inductor's triton.enable_pdl)"
+
+
+def _fold_o_proj(backend: str) -> tuple[bool, str]:
+    """Whether the trace is rewritten so that each attention op runs its layer's o_proj
+    (``passes/o_proj_fold.py``), and the report's line for it; how many layers it rewrote is
+    ``report.compile["o_proj_folded"]``."""
+    if not envs.fold_o_proj():
+        return False, "off (GRAPHATTN_FOLD_O_PROJ=1 folds o_proj into the attention op)"
+    if backend == "none":
+        return False, "off: compile_backend='none' traces no graph to rewrite"
+    return True, "on (GRAPHATTN_FOLD_O_PROJ=1): o_proj runs inside the attention op"
 
 
 def _precompile_skip(compiled: CompiledForward | None) -> str | None:

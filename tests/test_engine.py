@@ -146,6 +146,7 @@ def test_report_names_backend_per_layer_and_prints():
         "split_kv_merge": "by a reduction kernel after the attention launch",
         "ptxas": "not pinned: kernels compile only for CUDA devices, got cpu",
         "inductor_pdl": "off: compile_backend='none' runs no Inductor",
+        "o_proj_fold": "off (GRAPHATTN_FOLD_O_PROJ=1 folds o_proj into the attention op)",
     }
     assert "kernels: pdl=off: cpu is not a CUDA device" in text
 

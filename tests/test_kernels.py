@@ -803,17 +803,18 @@ def test_gpu_kv_cache_write_matches_reference():
 # -- CPU: the CUDA launches compile for Hopper --------------------------------------------
 
 # (dtype, head_size, query heads per KV head, tokens for 64 requests, splits, sliding, soft-cap,
-# splits merged in the launch)
+# splits merged in the launch, o_proj's output zeroed for the folded reduction)
 HOPPER_LAUNCHES = [
-    (torch.bfloat16, 128, 4, 64, 1, False, False, False),  # decode
-    (torch.bfloat16, 128, 4, 64, 4, False, False, False),  # decode, split-KV
-    (torch.bfloat16, 128, 4, 64, 4, False, False, True),  # decode, split-KV merged in the launch
-    (torch.bfloat16, 64, 4, 64, 16, False, False, True),  # the same at the benchmark's shape
-    (torch.bfloat16, 128, 4, 4096, 1, False, False, False),  # prefill
-    (torch.bfloat16, 80, 8, 4096, 1, True, True, False),  # prefill, sliding window and soft-cap
-    (torch.float16, 256, 2, 4096, 1, False, False, False),
-    (torch.float16, 64, 1, 64, 2, False, False, False),
-    (torch.float32, 128, 4, 4096, 1, False, False, False),
+    (torch.bfloat16, 128, 4, 64, 1, False, False, False, False),  # decode
+    (torch.bfloat16, 128, 4, 64, 4, False, False, False, False),  # decode, split-KV
+    (torch.bfloat16, 128, 4, 64, 4, False, False, True, False),  # split-KV merged in the launch
+    (torch.bfloat16, 64, 4, 64, 16, False, False, True, False),  # the same, the benchmark's shape
+    (torch.bfloat16, 64, 4, 64, 16, False, False, False, True),  # o_proj folded (zeroes its row)
+    (torch.bfloat16, 128, 4, 4096, 1, False, False, False, False),  # prefill
+    (torch.bfloat16, 80, 8, 4096, 1, True, True, False, False),  # prefill, window and soft-cap
+    (torch.float16, 256, 2, 4096, 1, False, False, False, False),
+    (torch.float16, 64, 1, 64, 2, False, False, False, False),
+    (torch.float32, 128, 4, 4096, 1, False, False, False, False),
 ]
 
 
@@ -831,7 +832,17 @@ def compile_for_hopper() -> list[dict]:
     from graphattn.kernels import unified_attention as ua
 
     results = []
-    for dtype, head_size, group, tokens, splits, sliding, soft_cap, merge in HOPPER_LAUNCHES:
+    for (
+        dtype,
+        head_size,
+        group,
+        tokens,
+        splits,
+        sliding,
+        soft_cap,
+        merge,
+        o_proj,
+    ) in HOPPER_LAUNCHES:
         plan = plan_attention(
             tokens, 64, num_heads=8 * group, num_kv_heads=8, head_size=head_size, dtype=dtype,
             device_type="cuda", num_splits=splits,
@@ -839,6 +850,7 @@ def compile_for_hopper() -> list[dict]:
         constants = ua.kernel_constants(
             plan, block_size=16, dtype=dtype, device_type="cuda", sliding=sliding,
             soft_cap=soft_cap, pdl=True, merge=merge,  # as launched on Hopper (kernels/pdl.py)
+            o_proj=o_proj,
         )  # fmt: skip
         constants["WRITE_KV"] = tokens == 64  # decodes write the new keys in the launch
         options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
@@ -846,7 +858,7 @@ def compile_for_hopper() -> list[dict]:
         src = ASTSource(kernel, _signature(kernel, dtype), constants, _aligned(kernel))
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         name = f"{dtype} D{head_size} G{group} T{tokens} S{splits} sw={sliding} cap={soft_cap}"
-        name += " merged" * merge
+        name += " merged" * merge + " o_proj" * o_proj
         ptx = compiled.asm["ptx"]
         results.append(
             dict(
@@ -867,6 +879,25 @@ def compile_for_hopper() -> list[dict]:
     )
     compiled = triton.compile(reduce, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     results.append(dict(case="reduce", shared=compiled.metadata.shared, spill=_spill(compiled)))
+    folded = split_kv._reduce_o_proj_kernel  # at the benchmark's shape, as launched
+    constants = dict(
+        NUM_SPLITS=16, GROUP=4, G_PAD=4, HEAD_SIZE=64, D_PAD=64,
+        BLOCK_N=split_kv.O_PROJ_BLOCK_N, PDL=True,
+    )  # fmt: skip
+    src = ASTSource(folded, _signature(folded, torch.bfloat16), constants, _aligned(folded))
+    options = {"num_warps": split_kv.O_PROJ_WARPS}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    results.append(
+        dict(
+            case="reduce + o_proj",
+            shared=compiled.metadata.shared,
+            spill=_spill(compiled),
+            # its adds into the fp32 row: relaxed reductions (no value returned, no fence)
+            relaxed_adds=len(
+                re.findall(r"red\.global\.gpu\.relaxed\.add\.f32", compiled.asm["ptx"])
+            ),
+        )
+    )
     return results
 
 
@@ -877,7 +908,7 @@ def _signature(kernel, dtype) -> dict[str, str]:
     for name in kernel.arg_names:
         if name.isupper():
             sig[name] = "constexpr"
-        elif name.startswith("part_"):
+        elif name.startswith("part_") or name in ("zero_ptr", "y_ptr"):
             sig[name] = "*fp32"
         elif name == "slot_ptr":
             sig[name] = "*i64"
@@ -927,3 +958,5 @@ def test_cuda_launches_compile_for_hopper():
         if "merge" in r:  # one acquire-release arrival a program, only where splits merge
             assert r["acq_rel_atomics"] == (1 if r["merge"] else 0), r
             assert (r["cg_loads"] > 0) == r["merge"], r
+        if r["case"] == "reduce + o_proj":
+            assert r["relaxed_adds"] > 0, r

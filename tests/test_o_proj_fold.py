@@ -308,6 +308,11 @@ def test_a_bad_fold_setting_is_a_config_error(monkeypatch):
     monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "yes")
     with pytest.raises(ConfigError, match="GRAPHATTN_FOLD_O_PROJ must be 0 or 1, got 'yes'"):
         ga.compile(_ProjModel(), compile_backend="none", **_SMALL)
+    monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "1")  # no trace to rewrite: said so
+    eng = ga.compile(_ProjModel(), compile_backend="none", **_SMALL)
+    assert eng.report.kernels["o_proj_fold"] == (
+        "off: compile_backend='none' traces no graph to rewrite"
+    )
 
 
 def test_splitting_at_attention_splits_at_the_folded_op_too():

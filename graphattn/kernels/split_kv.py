@@ -318,7 +318,7 @@ def _reduce_o_proj_kernel(
     y_ptr,  # [T, N] fp32, zero before the launch
     query_start_loc_ptr,
     num_reqs,
-    N,
+    num_rows,  # N, o_proj's output columns
     stride_wn,
     stride_yt,
     NUM_SPLITS: tl.constexpr,  # a constexpr: the loops over the splits unroll, loads all in flight
@@ -332,7 +332,7 @@ def _reduce_o_proj_kernel(
     kv_head = tl.program_id(0)
     num_heads = tl.num_programs(0) * GROUP
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
-    row_ok = rows < N
+    row_ok = rows < num_rows
     g = tl.arange(0, G_PAD)  # [G] query head of the group
     d = tl.arange(0, D_PAD)  # [D]
     head = kv_head * GROUP + g  # [G]

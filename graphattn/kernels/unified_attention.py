@@ -117,6 +117,7 @@ def unified_attention(
         soft_cap=soft_cap is not None,
         pdl=bool(pdl),
         merge=merge,
+        o_proj=o_proj is not None,
     )
     _attention_kernel[plan.grid](
         query,
@@ -151,7 +152,6 @@ def unified_attention(
         stride_vt,
         stride_vh,
         WRITE_KV=new_kv is not None,
-        ZERO_BLOCK=ZERO_BLOCK if o_proj is not None else 0,
         **constants,
         **pdl,
     )
@@ -204,10 +204,12 @@ def kernel_constants(
     soft_cap: bool,
     pdl: bool = False,
     merge: bool = False,
+    o_proj: bool = False,
 ) -> dict[str, Any]:
     """The attention kernel's constexpr arguments and launch options for ``plan`` (``pdl``:
     launched with programmatic dependent launch, ``pdl.launch_options``; ``merge``: a split
-    launch merges its splits itself, ``split_kv.merge_if_last``)."""
+    launch merges its splits itself, ``split_kv.merge_if_last``; ``o_proj``: the launch
+    zeroes the folded o_proj's output for ``split_kv.reduce_splits_o_proj``)."""
     t = plan.tiles
     return dict(
         HEAD_SIZE=plan.head_size,
@@ -222,6 +224,7 @@ def kernel_constants(
         # the split count when the launch merges its splits itself (0: the reduction kernel
         # does): a constexpr, so the merge's loads over the splits unroll and go out together
         MERGE_SPLITS=plan.num_splits if merge and plan.num_splits > 1 else 0,
+        ZERO_BLOCK=ZERO_BLOCK if o_proj else 0,
         SLIDING=sliding,
         SOFT_CAP=soft_cap,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
