@@ -55,9 +55,7 @@ def _attention(
     layer_name: str,
     kv_cache_dep: torch.Tensor | None = None,
 ) -> None:
-    ctx = get_forward_context()
-    bound = ctx.layer(layer_name)
-    metadata = None if ctx.attn_metadata is None else ctx.attn_metadata[layer_name]
+    bound, metadata = _layer_and_metadata(layer_name)
     bound.impl.forward(bound.layer, query, key, value, bound.kv_cache, metadata, output)
 
 
@@ -70,12 +68,17 @@ def _attention_o_proj(
     layer_name: str,
     kv_cache_dep: torch.Tensor | None = None,
 ) -> None:
-    ctx = get_forward_context()
-    bound = ctx.layer(layer_name)
-    metadata = None if ctx.attn_metadata is None else ctx.attn_metadata[layer_name]
+    bound, metadata = _layer_and_metadata(layer_name)
     bound.impl.forward_o_proj(
         bound.layer, query, key, value, bound.kv_cache, metadata, weight, output
     )
+
+
+def _layer_and_metadata(layer_name: str):
+    """The step's bound layer and its attention metadata (None in the profile run)."""
+    ctx = get_forward_context()
+    bound = ctx.layer(layer_name)  # first: an unknown name gets its typed error
+    return bound, None if ctx.attn_metadata is None else ctx.attn_metadata[layer_name]
 
 
 for _key in ("CPU", "CUDA"):
