@@ -458,7 +458,10 @@ def _fold_o_proj(backend: str) -> tuple[bool, str]:
         return False, "off (GRAPHATTN_FOLD_O_PROJ=1 folds o_proj into the attention op)"
     if backend == "none":
         return False, "off: compile_backend='none' traces no graph to rewrite"
-    return True, "on (GRAPHATTN_FOLD_O_PROJ=1): o_proj runs inside the attention op"
+    return True, (
+        "on (GRAPHATTN_FOLD_O_PROJ=1): each attention + o_proj that matches is rewritten "
+        "(compile.o_proj_folded counts them)"
+    )
 
 
 def _precompile_skip(compiled: CompiledForward | None) -> str | None:

@@ -14,9 +14,11 @@ reduction at one token, any backend else runs attention and one matmul.
 
 Only the exact shape is rewritten: the buffer is ``empty_like`` of the query and read by the
 one view; the view, ``[T, Hq * D]``, by the one linear; the linear has no bias and its
-weight is a graph input of the query's dtype that nothing else in the graph uses (a
-parameter: the kernel reads it before its PDL wait, so no kernel of the step may write it).
-Anything else is left as traced.
+weight is a graph input of the query's dtype that nothing else in the graph uses (a lifted
+parameter: the kernel reads it before its PDL wait, so no kernel of the step may write it;
+after the split ``split_graph_of`` also requires the split's model-input mark on it, and
+refuses the fold with a ``ConfigError`` where it is missing). Anything else is left as
+traced.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphattn.attention.ops import ATTENTION_O_PROJ_OP, ATTENTION_OP
 
@@ -95,12 +98,17 @@ def _match(node: fx.Node):
     bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
     if linear.args[0] is not view or bias is not None or not isinstance(weight, fx.Node):
         return None
-    if weight.op not in ("placeholder", "get_attr") or len(weight.users) != 1:
+    if weight.op != "placeholder" or len(weight.users) != 1:  # a lifted parameter
         return None
     q, w, rows = (n.meta.get("example_value") for n in (query, weight, view))
     if not all(isinstance(t, torch.Tensor) for t in (q, w, rows)):
         return None
-    if w.dim() != 2 or rows.dim() != 2 or w.shape[1] != rows.shape[1] or w.dtype != q.dtype:
+    if q.dim() != 3 or w.dim() != 2 or rows.dim() != 2 or w.dtype != q.dtype:
+        return None
+    k = q.shape[1] * q.shape[2]  # the view must be [T, Hq * D], the linear's K
+    if not (statically_known_true(rows.shape[0] == q.shape[0]) and rows.shape[1] == k):
+        return None
+    if w.shape[1] != k:
         return None
     return args, buffer, view, linear, weight
 

@@ -118,13 +118,21 @@ def split_graph_of(
         pieces.append(Piece(index, call.target, module, splitting))
     splitting_pieces = {p.name for p in pieces if p.is_splitting}
     not_weights = mark_model_inputs(split, calls, input_values, splitting_pieces)
-    folded = sum(
-        n.target is ATTENTION_O_PROJ_OP
-        for p in pieces
-        if p.is_splitting
-        for n in p.module.graph.nodes
-    )
-    return SplitGraph(split, pieces, not_weights, folded)
+    folded = [
+        n for p in pieces if p.is_splitting for n in p.module.graph.nodes
+        if n.target is ATTENTION_O_PROJ_OP
+    ]  # fmt: skip
+    for call in folded:  # its kernel reads the weight before its PDL wait (o_proj_fold.py)
+        weight = call.args[3]
+        if not (isinstance(weight, fx.Node) and weight.meta.get(MODEL_INPUT)):
+            why = not_weights.get(getattr(weight, "name", ""), "it is not a model input")
+            raise ConfigError(
+                f"GRAPHATTN_FOLD_O_PROJ=1 folded the o_proj of {call.args[5]} into its "
+                f"attention op, whose kernel reads the weight before it waits for the kernels "
+                f"before it; this weight may be written during the step ({why}). Set "
+                f"GRAPHATTN_FOLD_O_PROJ=0 for this model"
+            )
+    return SplitGraph(split, pieces, not_weights, len(folded))
 
 
 # node.meta key of a piece's placeholder that is an input of the whole model which no kernel

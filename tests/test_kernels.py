@@ -879,25 +879,29 @@ def compile_for_hopper() -> list[dict]:
     )
     compiled = triton.compile(reduce, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     results.append(dict(case="reduce", shared=compiled.metadata.shared, spill=_spill(compiled)))
-    folded = split_kv._reduce_o_proj_kernel  # at the benchmark's shape, as launched
-    constants = dict(
-        NUM_SPLITS=16, GROUP=4, G_PAD=4, HEAD_SIZE=64, D_PAD=64,
-        BLOCK_N=split_kv.O_PROJ_BLOCK_N, PDL=True,
-    )  # fmt: skip
-    src = ASTSource(folded, _signature(folded, torch.bfloat16), constants, _aligned(folded))
-    options = {"num_warps": split_kv.O_PROJ_WARPS}
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    results.append(
-        dict(
-            case="reduce + o_proj",
-            shared=compiled.metadata.shared,
-            spill=_spill(compiled),
-            # its adds into the fp32 row: relaxed reductions (no value returned, no fence)
-            relaxed_adds=len(
-                re.findall(r"red\.global\.gpu\.relaxed\.add\.f32", compiled.asm["ptx"])
-            ),
-        )
-    )
+    folded = split_kv._reduce_o_proj_kernel  # every group width it folds, as launched
+    for group in (1, 2, 4, 8, 16):
+        for head_size in (64, 128, 256):
+            block_n = split_kv.o_proj_block_n(group, head_size)
+            if block_n is None:
+                continue
+            constants = dict(
+                NUM_SPLITS=16, GROUP=group, G_PAD=group, HEAD_SIZE=head_size, D_PAD=head_size,
+                BLOCK_N=block_n, PDL=True,
+            )  # fmt: skip
+            src = ASTSource(folded, _signature(folded, torch.bfloat16), constants, _aligned(folded))
+            options = {"num_warps": split_kv.O_PROJ_WARPS}
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            ptx = compiled.asm["ptx"]
+            results.append(
+                dict(
+                    case=f"reduce + o_proj G{group} D{head_size} rows {block_n}",
+                    shared=compiled.metadata.shared,
+                    spill=_spill(compiled),
+                    # its adds into the fp32 row: relaxed reductions (no value returned)
+                    relaxed_adds=len(re.findall(r"red\.global\.gpu\.relaxed\.add\.f32", ptx)),
+                )
+            )
     return results
 
 
@@ -952,11 +956,14 @@ def _spill(compiled) -> int | None:
 )
 def test_cuda_launches_compile_for_hopper():
     """CI has no GPU: compile what the GPU will run, for sm_90, and check it fits."""
-    for r in compiled_without_interpreter("test_kernels", "compile_for_hopper"):
+    results = compiled_without_interpreter("test_kernels", "compile_for_hopper")
+    for r in results:
         assert r["shared"] <= 227 * 1024, r  # an H100/H200 block's shared-memory limit
         assert r["spill"] in (0, None), r
         if "merge" in r:  # one acquire-release arrival a program, only where splits merge
             assert r["acq_rel_atomics"] == (1 if r["merge"] else 0), r
             assert (r["cg_loads"] > 0) == r["merge"], r
-        if r["case"] == "reduce + o_proj":
+        if r["case"].startswith("reduce + o_proj"):
             assert r["relaxed_adds"] > 0, r
+    folded = [r["case"] for r in results if r["case"].startswith("reduce + o_proj")]
+    assert len(folded) == 12 and "reduce + o_proj G4 D64 rows 64" in folded

@@ -45,7 +45,7 @@ def test_folded_reduction_matches_attention_then_o_proj(dtype, num_heads, num_kv
         shapes, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64, block_size=16,
         dtype=dtype, seed=5, pad_tokens=2, pad_reqs=1,
     )  # fmt: skip
-    n_out = split_kv.O_PROJ_BLOCK_N + 24
+    n_out = split_kv.o_proj_block_n(4, 64) + 24
     gen = torch.Generator().manual_seed(9)
     weight = (torch.randn(n_out, num_heads * 64, generator=gen) / 16).to(dtype)
     plan = case.plan(num_splits)
@@ -70,6 +70,9 @@ def test_folded_reduction_takes_only_what_it_can_fold():
     ):
         with pytest.raises(error, match=match):
             _folded(case, case.plan(2), bad, scale=0.1)
+    wide = make_case([(20, 1)], num_heads=32, num_kv_heads=2, head_size=128, block_size=16)
+    with pytest.raises(ValueError, match=r"at most 1024 columns .* group is 16 x 128"):
+        _folded(wide, wide.plan(2), torch.randn(32, 32 * 128), scale=0.1)
     with pytest.raises(TypeError, match="o_proj out"):
         _folded(case, case.plan(2), weight, scale=0.1, out=torch.empty(1, 32, dtype=torch.bfloat16))
 
@@ -258,16 +261,49 @@ def test_rewrite_takes_only_the_plain_projection(monkeypatch, shape, folded):
 
 def test_the_generic_path_is_attention_then_the_matmul():
     """``AttentionImpl.forward_o_proj`` of a backend that does not override it: forward's
-    rows times the weight in their dtype (rounded as the linear it replaces rounds them),
-    widened into the fp32 output; zeros in the profile run (no metadata)."""
+    rows times the weight in their dtype (bf16 here, rounded as the linear it replaces rounds
+    them), widened into the fp32 output."""
     from graphattn.attention.backends.torch_ref import TorchRefImpl
 
-    impl = TorchRefImpl(4, 16, 0.25, 2)
+    rows = torch.randn(3, 4, 16).bfloat16()
+
+    class KnownRows(TorchRefImpl):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a):
+            return output.copy_(rows)
+
+    impl = KnownRows(4, 16, 0.25, 2)
     query, kv = torch.randn(3, 4, 16).bfloat16(), torch.randn(3, 2, 16).bfloat16()
     weight = torch.randn(8, 64).bfloat16()
     out = torch.full((3, 8), float("nan"))
-    assert impl.forward_o_proj(None, query, kv, kv, None, None, weight, out) is out
-    assert torch.count_nonzero(out) == 0  # the profile run: forward zeroes its rows
+    assert impl.forward_o_proj(None, query, kv, kv, None, object(), weight, out) is out
+    assert torch.equal(out, (rows.view(3, 64) @ weight.T).float())
+    # the profile run: the base forward zeroes its rows, so the product is zero
+    TorchRefImpl(4, 16, 0.25, 2).forward_o_proj(None, query, kv, kv, None, None, weight, out)
+    assert torch.count_nonzero(out) == 0
+
+
+def test_a_weight_the_step_may_write_is_not_folded(monkeypatch):
+    """The folded kernel reads o_proj's weight before its PDL wait: a weight that shares
+    memory with a buffer the model writes in place is refused with a ConfigError that says
+    why, at start-up."""
+    import graphattn as ga
+    from graphattn.errors import ConfigError
+
+    class Aliased(_ProjModel):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("counter", self.o_proj.weight.data.view(-1)[:1])
+
+        def forward(self, input_ids, positions):
+            self.counter.add_(0.0)
+            return super().forward(input_ids, positions)
+
+    monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "1")
+    with pytest.raises(ConfigError, match=r"may be written during the step \(shares memory with"):
+        ga.compile(Aliased(), compile_backend="eager", cudagraph_mode="NONE", **_SMALL)
+    monkeypatch.setenv("GRAPHATTN_FOLD_O_PROJ", "0")
+    eng = ga.compile(Aliased(), compile_backend="eager", cudagraph_mode="NONE", **_SMALL)
+    assert eng.report.compile["o_proj_folded"] == 0
 
 
 def test_the_folded_op_writes_a_buffer_of_the_piece_before(monkeypatch):

@@ -129,13 +129,23 @@ def reduce_splits(
     )
 
 
-# Output rows of o_proj per program of the folded reduction: a program holds its
-# [64, group * head_size] weight tile (64 x 256 at Llama-3.2-1B's shape) in registers across
-# its PDL wait, and 8 KV heads x 32 row blocks give 256 programs of 4 warps, two an SM, so
-# all of them can be in flight at once. A first build with 8 warps cost 12 us a layer on the
-# H200, likely two waves of programs (docs/results/o-proj-fold-round37-h200.log).
-O_PROJ_BLOCK_N = 64
+# The folded reduction's programs hold their [rows, group * head_size] weight tile in
+# registers across the PDL wait. Rows a program, by the tile's width (the group's query heads
+# times the padded head size): 64 at Llama-3.2-1B's 4 heads of 64 (8 KV heads x 32 row
+# blocks: 256 programs of 4 warps, two an SM, all in flight at once, as measured on the
+# H200), fewer where 64 rows spilled registers when compiled for sm_90 (4 x 128: 256 bytes a
+# thread; 8 x 128: 2.5 KB; 1 x 64: 8 bytes). Wider groups are not folded: 16 x 128 spilled
+# even at 8 rows. tests/test_kernels.py compiles every width for sm_90 and checks for
+# spills. A first build with 8 warps cost 12 us a layer on the H200, likely two waves of
+# programs (docs/results/o-proj-fold-round37-h200.log).
+O_PROJ_ROWS = {64: 32, 128: 64, 256: 64, 512: 32, 1024: 16}
 O_PROJ_WARPS = 4
+
+
+def o_proj_block_n(group_pad: int, head_size: int) -> int | None:
+    """Output rows a program of the folded reduction takes; None where the group is too wide
+    to fold (its tile would not fit in registers)."""
+    return O_PROJ_ROWS.get(group_pad * triton.next_power_of_2(head_size))
 
 
 def reduce_splits_o_proj(
@@ -155,7 +165,8 @@ def reduce_splits_o_proj(
     sum's last bits can differ from run to run."""
     pdl = launch_options(out.device)
     n = weight.shape[0]
-    _reduce_o_proj_kernel[(plan.num_kv_heads, triton.cdiv(n, O_PROJ_BLOCK_N))](
+    block_n = o_proj_block_n(plan.group_pad, plan.head_size)  # checked by the launch's caller
+    _reduce_o_proj_kernel[(plan.num_kv_heads, triton.cdiv(n, block_n))](
         scratch.out,
         scratch.lse,
         weight,
@@ -170,7 +181,7 @@ def reduce_splits_o_proj(
         G_PAD=plan.group_pad,
         HEAD_SIZE=plan.head_size,
         D_PAD=triton.next_power_of_2(plan.head_size),
-        BLOCK_N=O_PROJ_BLOCK_N,
+        BLOCK_N=block_n,
         PDL=bool(pdl),
         num_warps=O_PROJ_WARPS,
         **pdl,

@@ -179,6 +179,12 @@ def _check_o_proj(
             f"o_proj folds into the split-KV reduction kernel: the plan has {plan.num_splits} "
             f"split(s){' merged in the attention launch' if merge else ''}"
         )
+    if split_kv.o_proj_block_n(plan.group_pad, plan.head_size) is None:
+        raise ValueError(
+            f"o_proj folds into the reduction for groups of at most "
+            f"{max(split_kv.O_PROJ_ROWS)} columns (query heads x padded head size); this "
+            f"plan's group is {plan.group_pad} x {triton.next_power_of_2(plan.head_size)}"
+        )
     weight, out = o_proj
     k = query.shape[1] * query.shape[2]
     expect_ndim("o_proj weight", weight, 2, "[N, Hq * D]")

@@ -157,9 +157,11 @@ class TritonImpl(AttentionImpl):
         md: TritonMetadata | None = attn_metadata
         if md is not None and md.num_input_tokens <= O_PROJ_FOLD_MAX_TOKENS:
             plan = self.plan_of(md, query)
+            split_kv = _kernels().split_kv
             foldable = (
                 plan.num_splits > 1
-                and not _kernels().split_kv.fused_merge()
+                and split_kv.o_proj_block_n(plan.group_pad, plan.head_size) is not None
+                and not split_kv.fused_merge()
                 and weight.dtype == query.dtype
                 and weight.is_contiguous()
                 and output.is_contiguous()
