@@ -6,7 +6,8 @@
 # pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py),
 # mlp (benchmarks/fused_mlp.py), nodes (benchmarks/graph_nodes.py, GA_NODES_BATCHES),
 # persistent (benchmarks/persistent_chain.py), cuda (benchmarks/cuda_chain.py, GA_CUDA_ARGS), trace (decode.py's continuous-batching trace
-# alone, with the reduce-overhead baseline given the time the full run cannot give it), demo. Extra pytest/benchmark arguments come
+# alone, with the reduce-overhead baseline given the time the full run cannot give it), demo,
+# fold (the o_proj fold's GPU tests, then its A/B at batch 1 and 8). Extra pytest/benchmark arguments come
 # from GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail
@@ -58,6 +59,9 @@ for part in "$@"; do
              --out "$OUT/graph_nodes.json" 2>&1 | grep -v "^USDT" \
              | tee "$OUT/graph_nodes.log" | tail -80; rc=${PIPESTATUS[0]} ;;
     demo) python3 -m graphattn demo 2>&1 | tee "$OUT/demo.log" | tail -30; rc=${PIPESTATUS[0]} ;;
+    fold) { python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_o_proj_fold.py \
+              && scripts/ab_env.sh 2 1,8 - GRAPHATTN_FOLD_O_PROJ=1; } 2>&1 \
+             | tee "$OUT/o-proj-fold.log" | tail -20; rc=${PIPESTATUS[0]} ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac
   echo "== $part: exit $rc in $(( $(date +%s) - start )) s"
