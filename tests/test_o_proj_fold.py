@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import DEVICES, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_kernels import make_case, run_kernel
 
 from graphattn.kernels import split_kv
@@ -55,6 +57,37 @@ def test_folded_reduction_matches_attention_then_o_proj(dtype, num_heads, num_kv
     out = _folded(case, plan, weight, scale=0.125)
     assert not out.isnan().any()
     assert rel_err(out[:n], expected) < (1e-6 if dtype == torch.float32 else 2e-3)
+    assert torch.count_nonzero(out[n:]) == 0
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    group=st.sampled_from([1, 2, 3, 4, 8]),
+    num_kv_heads=st.integers(1, 3),
+    head_size=st.sampled_from([64, 80, 128]),
+    num_splits=st.integers(2, 6),
+    contexts=st.lists(st.integers(0, 70), min_size=1, max_size=3),
+    pad=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_folded_reduction_over_shapes(
+    group, num_kv_heads, head_size, num_splits, contexts, pad, seed
+):
+    """Any group, head size and split count the fold takes (widths up to 1024 columns), any
+    decode batch with padding: the folded rows equal attention then the matmul (fp32)."""
+    assert split_kv.o_proj_block_n(1 << (group - 1).bit_length(), head_size) is not None
+    num_heads = group * num_kv_heads
+    case = make_case(
+        [(c, 1) for c in contexts], num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_size=head_size, block_size=16, seed=seed, pad_tokens=pad, pad_reqs=pad,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(40, num_heads * head_size, generator=gen) / 16
+    plan = case.plan(num_splits)
+    n = case.num_tokens
+    attn = run_kernel(case, plan, scale=0.1)
+    out = _folded(case, plan, weight, scale=0.1)
+    assert rel_err(out[:n], attn[:n].reshape(n, -1) @ weight.T) < 1e-5
     assert torch.count_nonzero(out[n:]) == 0
 
 
