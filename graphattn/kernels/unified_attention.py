@@ -50,7 +50,7 @@ def unified_attention(
     query: torch.Tensor,  # [T, Hq, D]
     key_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     value_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-    output: torch.Tensor,  # [T, Hq, D], rows of real tokens are written
+    output: torch.Tensor | None,  # [T, Hq, D], rows of real tokens are written; None: o_proj
     block_table: torch.Tensor,  # [R, max_blocks] int32
     query_start_loc: torch.Tensor,  # [R + 1] int32
     seq_lens: torch.Tensor,  # [R] int32
@@ -80,8 +80,12 @@ def unified_attention(
     ``o_proj = (weight [N, Hq * D], out [T, N] fp32)`` (split-KV with the reduction kernel
     only): this launch zeroes ``out`` and the reduction multiplies the merged rows by
     o_proj's weight into it (``split_kv.reduce_splits_o_proj``) instead of writing
-    ``output``; returns ``out``.
+    ``output``, which may then be None; returns ``out``.
     """
+    if output is None:
+        if o_proj is None:
+            raise ValueError("output may be None only when o_proj takes the result")
+        output = query  # never written: with o_proj the reduction writes o_proj's output
     _check(query, key_cache, value_cache, output, block_table, query_start_loc, seq_lens, plan)
     if new_kv is not None:
         key, value, slot_mapping = new_kv
@@ -166,6 +170,23 @@ def unified_attention(
 ZERO_BLOCK = 64  # elements of o_proj's output each attention program zeroes at a time
 
 
+def o_proj_refusal(plan: AttentionPlan, merge: bool) -> str | None:
+    """Why ``plan`` cannot take o_proj into its split-KV reduction (``merge``: the splits
+    merge in the attention launch), or None when it can."""
+    if plan.num_splits < 2 or merge:
+        return (
+            f"o_proj folds into the split-KV reduction kernel: the plan has {plan.num_splits} "
+            f"split(s){' merged in the attention launch' if merge else ''}"
+        )
+    if split_kv.o_proj_block_n(plan.group_pad, plan.head_size) is None:
+        return (
+            f"o_proj folds into the reduction for groups of at most "
+            f"{max(split_kv.O_PROJ_ROWS)} columns (query heads x padded head size); this "
+            f"plan's group is {plan.group_pad} x {triton.next_power_of_2(plan.head_size)}"
+        )
+    return None
+
+
 def _check_o_proj(
     o_proj: tuple[torch.Tensor, torch.Tensor],
     query: torch.Tensor,
@@ -174,17 +195,9 @@ def _check_o_proj(
 ) -> None:
     """What the folded o_proj needs: split-KV merged by the reduction kernel, a contiguous
     ``[N, Hq * D]`` weight of the query's dtype and a contiguous fp32 ``[T, N]`` output."""
-    if plan.num_splits < 2 or merge:
-        raise ValueError(
-            f"o_proj folds into the split-KV reduction kernel: the plan has {plan.num_splits} "
-            f"split(s){' merged in the attention launch' if merge else ''}"
-        )
-    if split_kv.o_proj_block_n(plan.group_pad, plan.head_size) is None:
-        raise ValueError(
-            f"o_proj folds into the reduction for groups of at most "
-            f"{max(split_kv.O_PROJ_ROWS)} columns (query heads x padded head size); this "
-            f"plan's group is {plan.group_pad} x {triton.next_power_of_2(plan.head_size)}"
-        )
+    refusal = o_proj_refusal(plan, merge)
+    if refusal is not None:
+        raise ValueError(refusal)
     weight, out = o_proj
     k = query.shape[1] * query.shape[2]
     expect_ndim("o_proj weight", weight, 2, "[N, Hq * D]")

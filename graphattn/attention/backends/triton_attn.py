@@ -157,18 +157,16 @@ class TritonImpl(AttentionImpl):
         md: TritonMetadata | None = attn_metadata
         if md is not None and md.num_input_tokens <= O_PROJ_FOLD_MAX_TOKENS:
             plan = self.plan_of(md, query)
-            split_kv = _kernels().split_kv
+            kernels = _kernels()
             foldable = (
-                plan.num_splits > 1
-                and split_kv.o_proj_block_n(plan.group_pad, plan.head_size) is not None
-                and not split_kv.fused_merge()
+                kernels.unified_attention.o_proj_refusal(plan, kernels.split_kv.fused_merge())
+                is None
                 and weight.dtype == query.dtype
                 and weight.is_contiguous()
                 and output.is_contiguous()
             )
-            if foldable:
-                rows = torch.empty_like(query)  # not written: the reduction writes output
-                return self._launch(query, key, value, kv_cache, md, rows, plan, (weight, output))
+            if foldable:  # the attention rows stay in the scratch: no buffer for them
+                return self._launch(query, key, value, kv_cache, md, None, plan, (weight, output))
         return super().forward_o_proj(
             layer, query, key, value, kv_cache, attn_metadata, weight, output
         )
