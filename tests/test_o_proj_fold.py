@@ -315,6 +315,38 @@ def test_the_generic_path_is_attention_then_the_matmul():
     assert torch.count_nonzero(out) == 0
 
 
+@pytest.mark.gpu
+def test_the_generic_path_on_cuda_writes_fp32_sums_in_one_matmul():
+    """On CUDA the generic path's matmul writes its fp32 sums into the output (``mm``'s
+    ``out_dtype``), with no copy kernel after it: the output is the fp32 product, not the
+    bf16 one widened, and the profiler sees no copy kernel."""
+    from graphattn.attention.backends.torch_ref import TorchRefImpl
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows = torch.randn(8, 32, 64, device="cuda", generator=gen).bfloat16()
+
+    class KnownRows(TorchRefImpl):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a):
+            return output.copy_(rows)
+
+    impl = KnownRows(32, 64, 0.125, 8)
+    query = torch.randn(8, 32, 64, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(8, 8, 64, device="cuda", generator=gen).bfloat16()
+    weight = torch.randn(2048, 2048, device="cuda", generator=gen).bfloat16()
+    out = torch.full((8, 2048), float("nan"), device="cuda")
+    exact = rows.view(8, -1).double() @ weight.double().T
+    assert impl.forward_o_proj(None, query, kv, kv, None, object(), weight, out) is out
+    assert rel_err(out, exact) < 1e-5  # the bf16 product, widened, is off by ~2e-3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        impl.forward_o_proj(None, query, kv, kv, None, object(), weight, out)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert names, "the profiler saw no CUDA work"
+    # this test's forward copies bf16 rows to bf16 (a memcpy); a widening copy is a kernel
+    widening = [n for n in names if "copy" in n.lower() and "memcpy" not in n.lower()]
+    assert not widening, names
+
+
 def test_a_weight_the_step_may_write_is_not_folded(monkeypatch):
     """The folded kernel reads o_proj's weight before its PDL wait: a weight that shares
     memory with a buffer the model writes in place is refused with a ConfigError that says
