@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install the checkout, then run the named parts, each logging
-# under $OUT. Parts: tests (pytest -m gpu), attention (benchmarks/attention.py),
-# decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py), splits
-# (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
+# One call on the GPU machine: install the checkout, then run the named parts, each logging under
+# $OUT. Parts: tests (pytest -m gpu; about 700 s since round 38, over one call's limit), tests-1 and
+# tests-2 (the same suite in two calls: files test_[a-f]*, then test_[g-z]*), attention
+# (benchmarks/attention.py), decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py),
+# splits (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
 # pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py),
-# mlp (benchmarks/fused_mlp.py), nodes (benchmarks/graph_nodes.py, GA_NODES_BATCHES),
-# persistent (benchmarks/persistent_chain.py), cuda (benchmarks/cuda_chain.py, GA_CUDA_ARGS), trace (decode.py's continuous-batching trace
-# alone, with the reduce-overhead baseline given the time the full run cannot give it), demo,
-# fold (the o_proj fold's GPU tests, then its A/B at batch 1 and 8). Extra pytest/benchmark arguments come
-# from GA_PYTEST_ARGS and GA_DECODE_ARGS.
+# mlp (benchmarks/fused_mlp.py), nodes (benchmarks/graph_nodes.py, GA_NODES_BATCHES), persistent
+# (benchmarks/persistent_chain.py), cuda (benchmarks/cuda_chain.py, GA_CUDA_ARGS), trace
+# (decode.py's continuous-batching trace alone, with the reduce-overhead baseline given the time the
+# full run cannot give it), demo, fold (the o_proj fold's GPU tests, then its A/B at batch 1 and 8).
+# Extra pytest/benchmark arguments come from GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail
 OUT=${OUT:-/tmp/graphattn-out}
@@ -26,6 +27,10 @@ for part in "$@"; do
   case "$part" in
     tests) eval "python3 -m pytest -m gpu -q -p no:cacheprovider ${GA_PYTEST_ARGS:-}" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40; rc=${PIPESTATUS[0]} ;;
+    tests-1|tests-2)  # the suite in two calls: since round 38 it outlasts one call's 600 s
+             [ "$part" = tests-1 ] && files=$(ls tests/test_[a-f]*.py) || files=$(ls tests/test_[g-z]*.py)
+             eval "python3 -m pytest -m gpu -q -p no:cacheprovider $files ${GA_PYTEST_ARGS:-}" 2>&1 \
+             | tee "$OUT/gpu-$part.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     attention) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 \
              | tee "$OUT/attention.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     decode) eval "python3 benchmarks/decode.py --out $OUT/decode.json --plot $OUT/decode.png ${GA_DECODE_ARGS:-}" 2>&1 \
