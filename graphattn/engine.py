@@ -418,6 +418,7 @@ def _kernel_settings(device: torch.device) -> dict[str, str]:
         raise ConfigError(str(e)) from None
     envs.inductor_pdl()  # read now, so a bad value fails before anything is allocated
     envs.fold_o_proj()
+    envs.prefetch_mib()  # read again by the prefetch pass, if it is named, when it runs
     envs.check_pdl()
     return {"pdl": pdl.describe(device), "split_kv_merge": merge}
 

@@ -101,3 +101,17 @@ def test_example_backend_matches_dense_attention(kv_cache_dtype, tol):
     out = run_with_prefixes(engine, seqs)
     expected = torch.cat([model.expected(s.ids, len(s.ids) - s.num_computed) for s in seqs])
     assert rel_err(out, expected) < tol
+
+
+def test_the_settings_table_lists_every_variable_the_library_reads():
+    """docs/modes.md's "Settings from the environment" names each GRAPHATTN_ variable that
+    graphattn, its passes or its capture code read, and no other."""
+    text = (DOCS / "modes.md").read_text()
+    section = text.split("## Settings from the environment", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(GRAPHATTN_[A-Z_]+)`", section, flags=re.M))
+    read = set()
+    for folder in ("graphattn", "passes", "capture"):
+        for path in (ROOT / folder).rglob("*.py"):
+            read.update(re.findall(r"GRAPHATTN_[A-Z_]*[A-Z]", path.read_text()))
+    assert "GRAPHATTN_FOLD_O_PROJ" in read and len(read) >= 9
+    assert listed == read, (sorted(read - listed), sorted(listed - read))

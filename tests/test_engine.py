@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -195,6 +197,42 @@ def test_a_bad_pdl_variable_fails_instead_of_leaving_pdl_on(monkeypatch, value):
     monkeypatch.setenv("GRAPHATTN_PDL", value)
     with pytest.raises(ga.ConfigError, match=f"GRAPHATTN_PDL must be 0 or 1, got '{value}'"):
         eager_engine(_llama(), cudagraph_mode="NONE", num_blocks=16)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("GRAPHATTN_PDL", "off", "must be 0 or 1, got 'off'"),
+        ("GRAPHATTN_INDUCTOR_PDL", "yes", "must be 0 or 1, got 'yes'"),
+        ("GRAPHATTN_FUSED_SPLIT_MERGE", "true", "must be 0 or 1, got 'true'"),
+        ("GRAPHATTN_FOLD_O_PROJ", "on", "must be 0 or 1, got 'on'"),
+        ("GRAPHATTN_INPUT_STAGING", "memcpy", "must be one of ('copies', 'kernel'), got 'memcpy'"),
+        ("GRAPHATTN_PRECOMPILE_THREADS", "-2", "must be an int >= 0, got '-2'"),
+        ("GRAPHATTN_PREFETCH_MIB", "16MiB", "must be an int >= 0 (MiB), got '16MiB'"),
+        ("GRAPHATTN_DEBUG", "no", "must be 0 or 1, got 'no'"),
+    ],
+)
+def test_every_bad_setting_fails_the_start_before_the_kv_cache(
+    monkeypatch, variable, value, message
+):
+    """Each variable docs/modes.md lists ("Settings from the environment"), given a value it
+    does not take, fails ``ga.compile`` with a ConfigError naming it, before the KV cache
+    is allocated (the prefetch MiB too, which only a named pass reads later)."""
+    from graphattn import engine as engine_module
+    from graphattn.kernels import attention_plan
+
+    def allocated(self):
+        raise AssertionError(f"the KV cache was allocated before {variable} was checked")
+
+    monkeypatch.setattr(engine_module.CompiledModel, "_allocate_kv_cache", allocated)
+    monkeypatch.setenv(variable, value)
+    attention_plan.fused_merge.cache_clear()  # read once per process: read it again
+    try:
+        with pytest.raises(ga.ConfigError, match=re.escape(f"{variable} {message}")):
+            eager_engine(_llama(), cudagraph_mode="NONE", num_blocks=16)
+    finally:
+        monkeypatch.delenv(variable)
+        attention_plan.fused_merge.cache_clear()
 
 
 def test_graph_modes_fall_back_to_none_without_cuda_and_say_why():
