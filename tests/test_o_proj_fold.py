@@ -313,6 +313,13 @@ def test_the_generic_path_is_attention_then_the_matmul():
     # the profile run: the base forward zeroes its rows, so the product is zero
     TorchRefImpl(4, 16, 0.25, 2).forward_o_proj(None, query, kv, kv, None, None, weight, out)
     assert torch.count_nonzero(out) == 0
+    # fp32 rows: the matmul writes the output itself
+    rows = rows.float()
+    out32 = torch.full((3, 8), float("nan"))
+    impl.forward_o_proj(
+        None, query.float(), kv.float(), kv.float(), None, object(), weight.float(), out32
+    )
+    assert torch.equal(out32, rows.view(3, 64) @ weight.float().T)
 
 
 @pytest.mark.gpu

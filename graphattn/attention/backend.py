@@ -211,14 +211,16 @@ class AttentionImpl(ABC):
         """Attention, then the output projection: ``forward``'s rows ``[T, Hq * D] @
         weight.T`` into the fp32 ``output`` (the ``graphattn::unified_attention_o_proj`` op
         that ``passes/o_proj_fold.py`` calls in place of attention and the o_proj linear).
-        This default runs ``forward``, then the matmul: on CUDA in bf16 or fp16 one cuBLAS
-        call writes its fp32 sums into ``output`` (``out_dtype``: the sums the linear it
-        replaces rounds, and the next piece rounds them); elsewhere the matmul in the rows'
-        dtype and a copy. A backend whose kernels can fold the projection into attention
+        This default runs ``forward``, then the matmul into ``output``: for fp32 rows directly;
+        on CUDA in bf16 or fp16 one cuBLAS call writes its fp32 sums (``out_dtype``: the sums
+        the linear it replaces rounds, and the next piece rounds them); elsewhere the matmul
+        in the rows' dtype and a copy. A backend whose kernels can fold the projection into attention
         overrides it (TRITON)."""
         rows = torch.empty_like(query)
         self.forward(layer, query, key, value, kv_cache, attn_metadata, rows)
         rows = rows.view(query.shape[0], -1)
+        if rows.dtype == output.dtype:  # fp32 rows: the matmul writes the buffer itself
+            return torch.mm(rows, weight.t(), out=output)
         if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16):
             # no copy kernel: at batch 8 in FULL graphs the copy cost 50 us a step (round 38)
             return torch.mm(rows, weight.t(), out_dtype=output.dtype, out=output)
