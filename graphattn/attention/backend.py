@@ -214,8 +214,8 @@ class AttentionImpl(ABC):
         This default runs ``forward``, then the matmul into ``output``: for fp32 rows directly;
         on CUDA in bf16 or fp16 one cuBLAS call writes its fp32 sums (``out_dtype``: the sums
         the linear it replaces rounds, and the next piece rounds them); elsewhere the matmul
-        in the rows' dtype and a copy. A backend whose kernels can fold the projection into attention
-        overrides it (TRITON)."""
+        in the rows' dtype and a copy. A backend whose kernels can fold the projection into
+        attention overrides it (TRITON)."""
         rows = torch.empty_like(query)
         self.forward(layer, query, key, value, kv_cache, attn_metadata, rows)
         rows = rows.view(query.shape[0], -1)
