@@ -25,11 +25,11 @@ status=0
 for part in "$@"; do
   start=$(date +%s)
   case "$part" in
-    tests) eval "python3 -m pytest -m gpu -q -p no:cacheprovider ${GA_PYTEST_ARGS:-}" 2>&1 \
+    tests) eval "python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 ${GA_PYTEST_ARGS:-}" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     tests-1|tests-2)  # the suite in two calls: since round 38 it outlasts one call's 600 s
              [ "$part" = tests-1 ] && files=$(echo tests/test_[a-f]*.py) || files=$(echo tests/test_[g-z]*.py)
-             eval "python3 -m pytest -m gpu -q -p no:cacheprovider $files ${GA_PYTEST_ARGS:-}" 2>&1 \
+             eval "python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 $files ${GA_PYTEST_ARGS:-}" 2>&1 \
              | tee "$OUT/gpu-$part.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     attention) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 \
              | tee "$OUT/attention.log" | tail -40; rc=${PIPESTATUS[0]} ;;
