@@ -41,7 +41,10 @@ def bench(args: list[str]) -> int:
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # what the interpreter would print for a message
+        return 1
     finally:
         sys.argv = saved
     return 0

@@ -100,6 +100,18 @@ def test_bench_subcommand_prints_the_table_last(smoke_run, capsys):
     assert png.stat().st_size > 0
 
 
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the message of a machine without CUDA"
+)
+def test_bench_subcommand_says_why_it_stops(capsys):
+    """``python -m graphattn bench`` without CUDA (and without --smoke) stops with the
+    benchmark's reason on stderr, not silently; a bad option's message comes through too."""
+    assert graphattn_main(["bench"]) == 1
+    assert "no CUDA device: the full benchmark needs a GPU; use --smoke" in capsys.readouterr().err
+    assert graphattn_main(["bench", "--smoke", "--parts", "nonsense"]) == 1
+    assert "unknown part(s) ['nonsense']" in capsys.readouterr().err
+
+
 def test_isolate_runs_each_configuration_in_its_own_process(tmp_path, capsys):
     out = tmp_path / "decode.json"
     args = [*QUICK, "--parts", "floor,latency", "--modes", "eager", "--baselines", "eager"]
