@@ -34,6 +34,7 @@ from graphattn.errors import (
 )
 from graphattn.kernels import attention_plan, pdl, precompile, triton_import_error
 from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
+from graphattn.model_contract import call_error, output_error
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
 from graphattn.runner import ModelRunner
 from graphattn.validation import BatchLimits
@@ -287,6 +288,9 @@ class CompiledModel:
         The trace runs as the profile run: real inputs from the persistent buffers and a
         forward context without metadata, so attention writes nothing to the cache.
         """
+        wrong = call_error(self.model)
+        if wrong is not None:
+            raise InvalidInputError(wrong)
         if self.config.compile_backend == "none":
             _check_unused_compile_fields(self.config)
             self._profile_run()
@@ -498,15 +502,14 @@ def _inference_mode() -> Any:
 
 def _one_tensor(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The uncompiled model's forward, checked as the compiled path checks its trace: one
-    tensor of hidden states out (a tuple would fail later, far from the cause)."""
+    tensor of hidden states out, a row per token (a tuple, or a batch dimension in front,
+    would fail later, far from the cause, after the step's keys and values were written)."""
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = model(input_ids, positions)
-        if not isinstance(out, torch.Tensor):
-            raise InvalidInputError(
-                "graphattn runs models whose forward(input_ids, positions) returns one tensor "
-                f"of hidden states; {type(model).__qualname__} returned {type(out).__name__}"
-            )
+        wrong = output_error(model, out, input_ids.shape[0])
+        if wrong is not None:
+            raise InvalidInputError(wrong)
         return out
 
     return forward

@@ -29,6 +29,7 @@ from torch import fx
 
 from graphattn.attention.layer import twice_called_message
 from graphattn.errors import GraphAttnError, InvalidInputError
+from graphattn.model_contract import FORWARD, output_error
 from graphattn.passes.split import op_name
 
 # Dynamo keeps compiled code per code object; each trace gets a fresh copy of this
@@ -105,7 +106,7 @@ def trace_model(
             "torch._dynamo disabled?); the piecewise compiler needs one Dynamo trace"
         )
     gm, inputs = captured["gm"], captured["inputs"]
-    _check_single_tensor_output(output, captured["graph_output"])
+    _check_single_tensor_output(model, output, captured["graph_output"], input_ids.shape[0])
     _check_each_layer_called_once(gm)
     binding = InputBinding(gm, inputs, input_ids, positions)
     signature = InputSignature.of(gm, inputs, input_ids, positions)
@@ -332,17 +333,21 @@ def _placeholder_outputs(gm: fx.GraphModule, args: tuple[Any, ...]) -> list[Any]
     return values
 
 
-def _check_single_tensor_output(output: Any, graph_output: Any) -> None:
-    ok = (
-        isinstance(output, torch.Tensor)
-        and isinstance(graph_output, (tuple, list))
+def _check_single_tensor_output(
+    model: torch.nn.Module, output: Any, graph_output: Any, num_tokens: int
+) -> None:
+    wrong = output_error(model, output, num_tokens)
+    if wrong is not None:
+        raise InvalidInputError(wrong)
+    if not (
+        isinstance(graph_output, (tuple, list))
         and len(graph_output) == 1
         and graph_output[0] is output
-    )
-    if not ok:
-        raise GraphAttnError(
-            "graphattn compiles models whose forward(input_ids, positions) returns one tensor "
-            f"computed by the graph; this one returned {type(output).__name__}"
+    ):
+        raise InvalidInputError(
+            f"graphattn compiles models whose {FORWARD} returns one tensor computed by the "
+            f"graph; {type(model).__qualname__} returned one the graph did not compute (an "
+            f"input or a tensor made outside the traced code)"
         )
 
 

@@ -396,6 +396,40 @@ class _OneArgumentModel(TableAttentionModel):
         return super().forward(input_ids, None)
 
 
+class _KeywordPositionsModel(TableAttentionModel):
+    """forward(input_ids, *, positions): positions only by keyword."""
+
+    def forward(self, input_ids, *, positions):
+        return super().forward(input_ids, positions)
+
+
+class _BranchingModel(TableAttentionModel):
+    """A Python branch on the tokens' values: no single graph holds it."""
+
+    def forward(self, input_ids, positions):
+        out = super().forward(input_ids, positions)
+        return out * 2 if int(input_ids.max()) > 5 else out
+
+
+class _WrongRowsModel(TableAttentionModel):
+    """Returns other than one floating-point row per token, in the ways a model ported from
+    elsewhere might."""
+
+    def __init__(self, shape):
+        super().__init__(40, 4, 2, 64)
+        self.shape = shape
+
+    def forward(self, input_ids, positions):
+        out = super().forward(input_ids, positions)
+        if self.shape == "batch in front":
+            return out.unsqueeze(0)
+        if self.shape == "last row":
+            return out[-1:]
+        if self.shape == "scalar":
+            return out.sum()
+        return input_ids  # "token ids"
+
+
 @pytest.mark.parametrize("compile_backend", ["none", "eager"])
 def test_one_attention_layer_called_twice_is_named(compile_backend):
     """The second call would overwrite the first's keys and values: the compiled path
@@ -414,11 +448,52 @@ def test_one_attention_layer_called_twice_is_named(compile_backend):
 def test_a_model_dynamo_cannot_trace_is_a_typed_error_with_a_way_out():
     with pytest.raises(
         ga.InvalidInputError,
-        match=r"_OneArgumentModel could not be traced .*"
+        match=r"_BranchingModel could not be traced .*"
         r"compile_backend='none' runs the model uncompiled",
     ):
-        ga.compile(_OneArgumentModel(40, 4, 2, 64), compile_backend="eager", num_blocks=8,
+        ga.compile(_BranchingModel(40, 4, 2, 64), compile_backend="eager", num_blocks=8,
                    max_model_len=96, cudagraph_mode="NONE")  # fmt: skip
+
+
+@pytest.mark.parametrize("compile_backend", ["none", "eager"])
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (_OneArgumentModel, r"forward\(input_ids\) cannot take them"),
+        (_KeywordPositionsModel, r"forward\(input_ids, \*, positions\) cannot take them"),
+    ],
+)
+def test_a_forward_that_cannot_take_ids_and_positions_is_named(compile_backend, model, message):
+    """Uncompiled, such a model used to fail with Python's bare TypeError; both paths now
+    say what graphattn calls and what the forward takes, before the KV cache is touched."""
+    with pytest.raises(
+        ga.InvalidInputError,
+        match=r"graphattn calls model\(input_ids, positions\) with two positional tensors; "
+        + rf"{model.__name__}\.{message}",
+    ):
+        ga.compile(model(40, 4, 2, 64), compile_backend=compile_backend, num_blocks=8,
+                   max_model_len=96, cudagraph_mode="NONE")  # fmt: skip
+
+
+@pytest.mark.parametrize("compile_backend", ["none", "eager"])
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ("batch in front", r"one row per token, .*returned shape \[1, (16|32), 256\] for T=(16|32)"),
+        ("last row", r"one row per token, .*returned shape \[1, 256\] for T=(16|32)"),
+        ("scalar", r"one row per token, .*returned shape \[\] for T=(16|32)"),
+        ("token ids", r"returns hidden states, a floating-point tensor; .* a tensor of int64"),
+    ],
+)
+def test_a_forward_that_returns_other_than_a_row_per_token_is_refused(
+    compile_backend, shape, message
+):
+    """Such a model used to start, then give a step output of the wrong shape (one request)
+    or a bare IndexError (two), after the step had written the KV cache: both paths now
+    refuse it in ga.compile."""
+    with pytest.raises(ga.InvalidInputError, match=message):
+        ga.compile(_WrongRowsModel(shape), compile_backend=compile_backend, num_blocks=8,
+                   max_model_len=96, max_num_tokens=32, cudagraph_mode="NONE")  # fmt: skip
 
 
 def test_integer_query_key_value_are_refused():
