@@ -16,12 +16,36 @@ def demo(args: argparse.Namespace) -> None:
     from graphattn.demo import run_demo
 
     if args.modes:
-        modes = args.modes.split(",")
+        modes = args.modes
     elif torch.cuda.is_available() and not args.cpu:
         modes = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
     else:
         modes = ["FULL_AND_PIECEWISE"]  # the default; without CUDA it falls back to NONE
     run_demo(modes, args.new_tokens, args.cpu)
+
+
+def _modes(text: str) -> list[str]:
+    """``--modes``: known cudagraph mode names, checked before any engine is built."""
+    from graphattn.capture.mode import CUDAGraphMode
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in CUDAGraphMode.__members__]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated modes among {', '.join(CUDAGraphMode.__members__)}, "
+            f"got {text!r}"
+        )
+    return modes
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 def bench(args: list[str]) -> int:
@@ -59,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="generate with a tiny random-weight Llama")
     p.add_argument(
         "--modes",
+        type=_modes,
         default=None,
         help="comma-separated cudagraph modes (default: all five on CUDA, "
         "FULL_AND_PIECEWISE on the CPU)",
     )
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=_positive_int, default=32, help="default 32")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is present")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=demo)
