@@ -366,6 +366,42 @@ def test_unsupported_config_features_are_rejected(zoo):
         )
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("hidden_size", "64"), ("num_attention_heads", 0), ("num_key_value_heads", True),
+     ("head_dim", -1), ("vocab_size", 1.5e3)],
+)  # fmt: skip
+def test_a_config_size_that_is_not_a_positive_int_is_named(zoo, field, value):
+    """Before, a string size failed inside torch.empty and a zero head count as a
+    ConfigError from the model's constructor, after it had begun to build."""
+    llama = zoo.model("llama").config.to_dict()
+    with pytest.raises(ModelLoadError, match=f"config's {field} must be an int > 0, got {value!r}"):
+        config_from_hf({**llama, field: value}, "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize(
+    ("source", "options", "error", "match"),
+    [
+        (None, {}, ModelLoadError, "takes a checkpoint folder .* got NoneType"),
+        (3, {}, ModelLoadError, "got int"),
+        ("anywhere", {"device": "tpu"}, ModelLoadError, "device must be a torch.device .* 'tpu'"),
+        ("anywhere", {"device": 0.5}, ModelLoadError, "got 0.5"),
+        ("anywhere", {"dtype": "int8"}, ga.ConfigError, "dtype must be one of"),
+    ],
+)
+def test_load_checks_its_arguments_before_reading_anything(source, options, error, match):
+    """Before: Python's TypeError for a None source, torch's RuntimeError for an unknown
+    device, each after the checkpoint had been read."""
+    with pytest.raises(error, match=match):
+        load(source, **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
+def test_load_to_cuda_without_cuda_is_named():
+    with pytest.raises(ModelLoadError, match="device 'cuda', but this torch sees no CUDA device"):
+        load("anywhere", device="cuda")
+
+
 def test_nothing_is_downloaded_and_only_safetensors_are_read(tmp_path):
     with pytest.raises(ModelLoadError, match="never downloads"):
         load("meta-llama/Llama-3.2-1B")

@@ -77,16 +77,33 @@ def load(
     does not implement and ``WeightMismatchError`` naming every missing, unexpected or
     mis-shaped tensor.
     """
+    wanted_dtype = parse_dtype(dtype, "dtype")  # the arguments first, before any file
+    wanted_device = _device(device)
     checkpoint = _open_module(source) if isinstance(source, nn.Module) else _open_folder(source)
     cfg = config_from_hf(checkpoint.config, checkpoint.architecture)
     with torch.device("meta"):  # shapes only: nothing is allocated until the checks pass
         model = LlamaForCausalLM(cfg)
     slots = weight_slots(model, cfg)
     check_tensors(slots, checkpoint.shapes, cfg, checkpoint.architecture)
-    target_dtype = parse_dtype(dtype, "dtype") or checkpoint.dtype
-    model = _materialize(model, cfg, target_dtype, torch.device(device or checkpoint.device))
+    target_dtype = wanted_dtype or checkpoint.dtype
+    model = _materialize(model, cfg, target_dtype, wanted_device or checkpoint.device)
     _copy_weights(model, slots, checkpoint.tensors())
     return model.eval().requires_grad_(False)
+
+
+def _device(device: torch.device | str | None) -> torch.device | None:
+    """``load``'s ``device``, checked before anything is read or allocated."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(
+            f"device must be a torch.device or its name ('cpu', 'cuda', 'cuda:1'), got {device!r}"
+        ) from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {str(parsed)!r}, but this torch sees no CUDA device")
+    return parsed
 
 
 # -- sources --------------------------------------------------------------------------
@@ -125,6 +142,11 @@ def _open_module(model: nn.Module) -> _Checkpoint:
 
 def _open_folder(path: str | os.PathLike[str]) -> _Checkpoint:
     """A local checkpoint folder: ``config.json`` and its safetensors file(s)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ModelLoadError(
+            "graphattn.models.load takes a checkpoint folder (a str or a path) or a "
+            f"transformers model, got {type(path).__name__}"
+        )
     folder = Path(path)
     if not folder.is_dir():
         raise ModelLoadError(
@@ -273,8 +295,8 @@ def config_from_hf(hf: dict[str, Any], architecture: str) -> LlamaConfig:
         intermediate_size=_field(hf, "intermediate_size", architecture),
         num_hidden_layers=_field(hf, "num_hidden_layers", architecture),
         num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
+        num_key_value_heads=_field(hf, "num_key_value_heads", architecture, heads),
+        head_dim=_field(hf, "head_dim", architecture, hidden // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -284,10 +306,18 @@ def config_from_hf(hf: dict[str, Any], architecture: str) -> LlamaConfig:
     )
 
 
-def _field(hf: dict[str, Any], name: str, architecture: str) -> Any:
-    if hf.get(name) is None:
-        raise ModelLoadError(f"the {architecture} config has no {name!r}")
-    return hf[name]
+def _field(hf: dict[str, Any], name: str, architecture: str, default: int | None = None) -> int:
+    """A size the config must hold (or ``default`` where it may leave it out): an int > 0."""
+    value = hf.get(name)
+    if value is None:
+        if default is None:
+            raise ModelLoadError(f"the {architecture} config has no {name!r}")
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(
+            f"the {architecture} config's {name} must be an int > 0, got {value!r}"
+        )
+    return value
 
 
 def _check_features(hf: dict[str, Any], family: str, architecture: str) -> None:
