@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -186,13 +187,20 @@ class KVCache:
         self.groups = list(groups)
         self.num_blocks = num_blocks
         self.block_size = self.groups[0].spec.block_size if self.groups else 0
+        layouts = {
+            name: (shape_of(name, group, num_blocks * group.blocks_per_kernel_block), group)
+            for group in self.groups
+            for name in group.layer_names
+        }
+        needed = sum(
+            math.prod(shape) * group.spec.dtype.itemsize for shape, group in layouts.values()
+        )
+        _check_fits(needed, num_blocks, device)  # a ConfigError, not an out-of-memory crash
         self.allocator = BlockAllocator(num_blocks)
-        self.tensors: dict[str, torch.Tensor] = {}
-        for group in self.groups:
-            kernel_blocks = num_blocks * group.blocks_per_kernel_block
-            for name in group.layer_names:
-                shape = shape_of(name, group, kernel_blocks)
-                self.tensors[name] = torch.zeros(shape, dtype=group.spec.dtype, device=device)
+        self.tensors: dict[str, torch.Tensor] = {
+            name: torch.zeros(shape, dtype=group.spec.dtype, device=device)
+            for name, (shape, group) in layouts.items()
+        }
 
     def allocate(self, n: int) -> list[int]:
         return self.allocator.allocate(n)
@@ -211,6 +219,39 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on ``device`` can take: the GPU's free memory, or on a Linux
+    host MemAvailable; None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_fits(needed: int, num_blocks: int, device: torch.device) -> None:
+    available = available_bytes(device)
+    if available is None or needed <= available:
+        return
+    per_block = needed / num_blocks
+    raise ConfigError(
+        f"a KV cache of num_blocks={num_blocks} needs {_gib(needed)} ({per_block:,.0f} bytes a "
+        f"block over every layer) but {device} has {_gib(available)} available; at most "
+        f"{int(available // per_block):,} blocks would fit"
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

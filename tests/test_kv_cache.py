@@ -101,3 +101,41 @@ def test_engine_rewrites_block_table_for_smaller_kernel_blocks():
     out = run_with_prefixes(engine, seqs)
     expected = torch.cat([model.expected(s.ids, len(s.ids) - s.num_computed) for s in seqs])
     assert rel_err(out, expected) < 1e-5
+
+
+def test_a_cache_larger_than_the_memory_is_a_config_error_before_allocating(monkeypatch):
+    """A num_blocks the device cannot hold used to end in an empty MemoryError (the block
+    list), a bare out-of-memory error from torch, or the process killed; now ga.compile says
+    what the cache needs, what is available and how many blocks fit, before allocating."""
+    from helpers import TableAttentionModel
+
+    import graphattn.kv_cache as kv_cache_module
+
+    allocated = []
+    monkeypatch.setattr(kv_cache_module, "available_bytes", lambda device: 1 << 20)  # 1 MiB
+    monkeypatch.setattr(kv_cache_module.BlockAllocator, "__init__", lambda *a: allocated.append(a))
+    # 2 layers x key and value x 16 slots x 2 KV heads x 64 x fp32: 32 KiB a block
+    with pytest.raises(
+        ga.ConfigError,
+        match=r"num_blocks=64 needs 2\.00 MiB \(32,768 bytes a block over every layer\) but cpu "
+        r"has 1\.00 MiB available; at most 32 blocks would fit",
+    ):
+        ga.compile(TableAttentionModel(40, 4, 2, 64, num_layers=2), compile_backend="none",
+                   num_blocks=64)  # fmt: skip
+    assert allocated == []  # nothing was made
+    # what fits is made
+    monkeypatch.undo()
+    engine = ga.compile(TableAttentionModel(40, 4, 2, 64, num_layers=2), compile_backend="none",
+                        num_blocks=32)  # fmt: skip
+    assert engine.kv_cache.nbytes == 32 * 32768
+
+
+@pytest.mark.skipif(
+    __import__("graphattn.kv_cache").kv_cache.available_bytes(torch.device("cpu")) is None,
+    reason="no MemAvailable to read here",
+)
+def test_a_trillion_blocks_are_refused_on_this_host():
+    from helpers import TableAttentionModel
+
+    with pytest.raises(ga.ConfigError, match=r"num_blocks=1000000000000 needs .* GiB .* available"):
+        ga.compile(TableAttentionModel(40, 4, 2, 64), compile_backend="none", num_blocks=10**12)
