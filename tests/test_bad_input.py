@@ -479,7 +479,10 @@ def test_a_forward_that_cannot_take_ids_and_positions_is_named(compile_backend, 
 @pytest.mark.parametrize(
     ("shape", "message"),
     [
-        ("batch in front", r"one row per token, .*returned shape \[1, (16|32), 256\] for T=(16|32)"),
+        (
+            "batch in front",
+            r"one row per token, .*returned shape \[1, (16|32), 256\] for T=(16|32)",
+        ),
         ("last row", r"one row per token, .*returned shape \[1, 256\] for T=(16|32)"),
         ("scalar", r"one row per token, .*returned shape \[\] for T=(16|32)"),
         ("token ids", r"returns hidden states, a floating-point tensor; .* a tensor of int64"),
@@ -831,3 +834,14 @@ def test_freed_numpy_ids_come_back_as_ints(engine):
     engine.kv_cache.free([np.uint8(block)])
     (again,) = engine.kv_cache.allocate(1)
     assert again == block and type(again) is int
+
+
+@pytest.mark.parametrize("clone", ["no", 0, None, np.bool_(False)])
+def test_step_clone_must_be_a_bool(clone):
+    """Any truthy value used to count as True and a falsy one as False, silently."""
+    engine = eager_engine(TableAttentionModel(40, 4, 2, 64), num_blocks=8, max_model_len=96)
+    engine.kv_cache.allocate(1)
+    snap = snapshot(engine)
+    with pytest.raises(ga.InvalidInputError, match=f"clone must be True or False, got {clone!r}"):
+        engine.step(ga.Batch.from_requests([R([1, 2], 0, [0])]), clone=clone)
+    assert_unchanged(engine, snap)
