@@ -222,10 +222,12 @@ class KVCache:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory a new allocation on ``device`` can take: the GPU's free memory, or on a Linux
-    host MemAvailable; None where it cannot be read."""
+    """Memory a new allocation on ``device`` can take: the GPU's free memory plus what
+    torch's caching allocator holds unused, or on a Linux host MemAvailable; None where it
+    cannot be read."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     if device.type != "cpu":
         return None
     try:
