@@ -139,3 +139,20 @@ def test_a_trillion_blocks_are_refused_on_this_host():
 
     with pytest.raises(ga.ConfigError, match=r"num_blocks=1000000000000 needs .* GiB .* available"):
         ga.compile(TableAttentionModel(40, 4, 2, 64), compile_backend="none", num_blocks=10**12)
+
+
+@pytest.mark.gpu
+def test_a_cache_larger_than_the_gpu_is_refused_before_allocating():
+    """On CUDA the check reads the driver's free memory plus torch's unused cache."""
+    from helpers import TableAttentionModel
+
+    from graphattn.kv_cache import available_bytes
+
+    device = torch.device("cuda")
+    free, total = torch.cuda.mem_get_info(device)
+    assert free <= available_bytes(device) <= total
+    model = TableAttentionModel(40, 4, 2, 64).to(device)  # 16 KiB a block (fp32, one layer)
+    before = torch.cuda.memory_allocated(device)
+    with pytest.raises(ga.ConfigError, match=r"GiB \(16,384 bytes a block over every layer\)"):
+        ga.compile(model, compile_backend="none", num_blocks=total // 16384 + 1)
+    assert torch.cuda.memory_allocated(device) == before
