@@ -37,12 +37,13 @@ class FallbackRecord:
     backend: str
     support: str
     cost: str
+    # False for the engine's own rules (no CUDA device, no split at attention, no decode
+    # size): the backend's support level did not cause them, and the message does not say so
+    from_support: bool = True
 
     def __str__(self) -> str:
-        return (
-            f"cudagraph_mode {self.requested} -> {self.resolved} ({self.rule}): backend "
-            f"{self.backend} supports {self.support}; {self.cost}"
-        )
+        why = f": backend {self.backend} supports {self.support}" if self.from_support else ""
+        return f"cudagraph_mode {self.requested} -> {self.resolved} ({self.rule}){why}; {self.cost}"
 
 
 def resolve_cudagraph_mode(
@@ -142,6 +143,7 @@ def resolve_for_engine(
                 backend_name,
                 min_support.name,
                 cost,
+                from_support=False,
             )
         ]
     mode, records = requested, []
@@ -153,7 +155,11 @@ def resolve_for_engine(
             if new == M.FULL_DECODE_ONLY
             else "every batch runs without graphs"
         )
-        records.append(FallbackRecord(mode, new, rule, backend_name, min_support.name, cost))
+        records.append(
+            FallbackRecord(
+                mode, new, rule, backend_name, min_support.name, cost, from_support=False
+            )
+        )
         mode = new
     mode, more = resolve_cudagraph_mode(
         mode,
@@ -166,6 +172,10 @@ def resolve_for_engine(
     if mode == M.FULL_DECODE_ONLY and not has_decode_size:
         rule = "full decode graphs need a capture size <= max_num_seqs"
         cost = "every batch runs without graphs"
-        records.append(FallbackRecord(mode, M.NONE, rule, backend_name, min_support.name, cost))
+        records.append(
+            FallbackRecord(
+                mode, M.NONE, rule, backend_name, min_support.name, cost, from_support=False
+            )
+        )
         mode = M.NONE
     return mode, records

@@ -225,7 +225,7 @@ def test_full_decode_only_without_a_decode_size_falls_to_none_and_says_so():
     assert mode == M.NONE and [r.resolved for r in records] == [M.FULL_DECODE_ONLY, M.NONE]
     assert str(records[-1]) == (
         "cudagraph_mode FULL_DECODE_ONLY -> NONE (full decode graphs need a capture size <= "
-        "max_num_seqs): backend TRITON supports ALWAYS; every batch runs without graphs"
+        "max_num_seqs); every batch runs without graphs"
     )
     # a size that fits, or a mode with other graphs, is left alone
     assert resolve_for_engine(M.FULL_AND_PIECEWISE, S.ALWAYS, **kwargs)[0] == M.FULL_DECODE_ONLY

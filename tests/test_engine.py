@@ -243,6 +243,13 @@ def test_graph_modes_fall_back_to_none_without_cuda_and_say_why():
     assert record.requested == ga.CUDAGraphMode.FULL and record.backend == "TORCH_REF"
     assert str(engine.report).startswith("cudagraph mode: requested FULL -> resolved NONE")
     assert engine.report.to_dict()["fallbacks"][0]["rule"] == "CUDA graphs need a CUDA device"
+    # the backend's support level did not cause it, so the message leaves it out (the
+    # record keeps it)
+    assert str(record) == (
+        "cudagraph_mode FULL -> NONE (CUDA graphs need a CUDA device); every batch runs "
+        "without graphs"
+    )
+    assert record.support == "NEVER" and record.from_support is False
 
 
 def test_strict_turns_a_fallback_into_an_error():
