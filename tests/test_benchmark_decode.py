@@ -553,3 +553,22 @@ def test_the_host_part_interleaves_the_sizes_over_its_rounds(monkeypatch):
         assert len(r["step_us_by_round"]) == len(rounds)
         assert r["step_us"]["median"] > 0 and r["stats"]["runtime_modes"]["FULL"] > 0
         assert r["stats"]["steps"] == 1 + len(rounds)  # the fake counts one per delta
+
+
+def test_head_in_graph_probe_times_both_and_compares_their_logits(tmp_path):
+    from benchmarks import head_in_graph
+
+    out = tmp_path / "head.json"
+    assert (
+        head_in_graph.main(["--smoke", "--batches", "1,2", "--rounds", "2", "--out", str(out)]) == 0
+    )
+    data = json.loads(out.read_text())
+    for name in ("outside", "inside"):
+        assert {b: len(v) for b, v in data["median_ms"][name].items()} == {"1": 2, "2": 2}
+    # the same model either way: the wrapper's forward is the model's, then its head
+    assert data["agree"] == {
+        b: {"max_abs_diff": data["agree"][b]["max_abs_diff"], "same_argmax": True}
+        for b in ("1", "2")
+    }
+    assert all(v["max_abs_diff"] < 0.05 for v in data["agree"].values())
+    assert data["kernels"] == {}  # the profile is CUDA's
