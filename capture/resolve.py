@@ -75,7 +75,12 @@ def resolve_cudagraph_mode(
             raise CUDAGraphModeError(
                 f"cudagraph_mode={requested} needs full CUDA graphs for every batch, but "
                 f"attention backend {backend_name} supports {support.name}; try "
-                f"cudagraph_mode={piecewise_or_none} (or PIECEWISE with compilation)"
+                f"cudagraph_mode={piecewise_or_none}"
+                + (
+                    ""
+                    if attention_is_splitting_op
+                    else " (or PIECEWISE, with the model compiled and split at attention)"
+                )
             )
         lower(
             M.FULL_AND_PIECEWISE if attention_is_splitting_op else M.FULL_DECODE_ONLY,

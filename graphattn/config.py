@@ -89,7 +89,8 @@ class CompileConfig:
         strict: raise instead of lowering the mode (per-step fallbacks and the start-up
             warning for decode batches without a full graph are not lowerings).
         debug: extra checks (input addresses at replay, recompiles raise, a warm start
-            traces anyway and compares with the trace cache's graph).
+            traces anyway and compares with the trace cache's graph, the first step
+            wrote every layer's KV cache).
     """
 
     max_num_seqs: int = 128

@@ -141,6 +141,8 @@ class CompiledModel:
                     else f"three memcpy nodes ({staging_note or 'GRAPHATTN_INPUT_STAGING=copies'})"
                 )
         self.runner.planner = self.graphs.dispatcher.dispatch
+        # debug: the first step that runs checks that it wrote every layer's KV cache
+        self._check_kv_writes = config.debug
         self.report = self._make_report(time.perf_counter() - start)
         logger.info("graphattn engine ready:\n%s", self.report)
 
@@ -170,7 +172,30 @@ class CompiledModel:
         if clone is not True and clone is not False:  # "no" or 0 would read as a choice
             raise InvalidInputError(f"clone must be True or False, got {clone!r}")
         with _inference_mode():
+            if self._check_kv_writes:
+                return self._step_checking_kv_writes(batch, clone)
             return self.runner.execute(batch, clone=clone)
+
+    def _step_checking_kv_writes(self, batch: Batch, clone: bool) -> torch.Tensor:
+        """``debug=True``'s first step: a layer whose KV cache is the same after it as
+        before was not written, which registration cannot see (it checks only where a
+        backend says it writes). The cache starts zeroed, so any key or value written
+        changes its fingerprint (unless every one written is exactly zero)."""
+        before = {name: _fingerprint(t) for name, t in self.kv_cache.tensors.items()}
+        out = self.runner.execute(batch, clone=clone)  # a rejected batch: checked next step
+        self._check_kv_writes = False
+        unchanged = [n for n, t in self.kv_cache.tensors.items() if _fingerprint(t) == before[n]]
+        if unchanged:
+            named = sorted({self.bound[n].backend.get_name() for n in unchanged if n in self.bound})
+            raise BackendError(
+                f"debug=True: the first step wrote {batch.num_tokens} tokens' keys and values, "
+                f"but the KV cache of {len(unchanged)} of {len(before)} layers did not change "
+                f"({_span_of(unchanged)}; backend {', '.join(named)}): the impl's write does "
+                "nothing (it belongs in forward when the backend's "
+                "forward_includes_kv_cache_update is True, else in do_kv_cache_update), or "
+                "every key and value it wrote was exactly zero"
+            )
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -627,3 +652,15 @@ def _device_and_dtype(model: nn.Module, config: CompileConfig) -> tuple[torch.de
     if device.type not in ("cpu", "cuda"):
         raise InvalidInputError(f"the model is on {device}; graphattn runs on cpu or cuda")
     return device, dtype
+
+
+def _fingerprint(t: torch.Tensor) -> int:
+    """A sum over the tensor's bits (int32 words where its bytes allow): changed by any
+    write of values other than those it held."""
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    return int(words.sum(dtype=torch.int64))
+
+
+def _span_of(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]}"

@@ -7,7 +7,11 @@ import torch
 from helpers import TableAttentionModel, assert_unchanged, eager_engine, snapshot
 
 import graphattn as ga
-from graphattn.attention.backends.torch_ref import TorchRefBackend, TorchRefMetadataBuilder
+from graphattn.attention.backends.torch_ref import (
+    TorchRefBackend,
+    TorchRefImpl,
+    TorchRefMetadataBuilder,
+)
 from graphattn.attention.registry import registered_backends
 from graphattn.capture.mode import CUDAGraphMode
 from graphattn.capture.resolve import resolve_for_engine
@@ -160,3 +164,134 @@ def test_support_level_is_declared_on_the_class(registered):
         ga.BackendError, match=r"sets cudagraph_support on an instance; the level is read from"
     ):
         _engine(name)
+
+
+class _ReturnsNew(TorchRefImpl):
+    """Computes the rows into a tensor of its own and returns it: output stays unwritten."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        if attn_metadata is None:
+            return output.zero_()
+        mine = torch.empty_like(output)
+        TorchRefImpl.forward(self, layer, query, key, value, kv_cache, attn_metadata, mine)
+        return mine
+
+
+class _ReturnsView(TorchRefImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        TorchRefImpl.forward(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        return output.view(output.shape[0], -1)  # the same memory: fine
+
+
+class _ReadsMetadataAlways(TorchRefImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        output[:] = attn_metadata.seq_lens.max()  # no profile-run check: fails at start-up
+        return output
+
+
+def _request_batch():
+    return ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [0])])
+
+
+def test_an_impl_returning_a_new_tensor_is_an_error(registered):
+    name = registered("RETURNS_NEW", get_impl_cls=staticmethod(lambda: _ReturnsNew))
+    engine = _engine(name)
+    engine.kv_cache.allocate(1)
+    with pytest.raises(
+        ga.BackendError,
+        match=r"_ReturnsNew.forward \(RETURNS_NEW\) returned a new tensor torch.float32\[3, 4, "
+        r"64\], not the output it was given \(torch.float32\[3, 4, 64\]\): an impl writes",
+    ):
+        engine.step(_request_batch())
+
+
+def test_an_impl_returning_a_view_of_output_runs(registered):
+    name = registered("RETURNS_VIEW", get_impl_cls=staticmethod(lambda: _ReturnsView))
+    engine, ref = _engine(name), _engine("TORCH_REF")
+    for e in (engine, ref):
+        e.kv_cache.allocate(1)
+    torch.testing.assert_close(engine.step(_request_batch()), ref.step(_request_batch()))
+
+
+class _ReturnsZeros(TorchRefImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        return torch.zeros_like(output)
+
+
+def test_the_default_o_proj_path_checks_what_forward_returns():
+    impl = _ReturnsZeros.__new__(_ReturnsZeros)  # forward_o_proj reads nothing of self
+    q = torch.randn(2, 4, 8)
+    with pytest.raises(ga.BackendError, match=r"_ReturnsZeros.forward returned a new tensor"):
+        impl.forward_o_proj(None, q, q, q, None, object(), torch.randn(6, 32), torch.empty(2, 6))
+
+
+def test_an_error_in_the_profile_run_says_so(registered):
+    name = registered("NO_NONE_CHECK", get_impl_cls=staticmethod(lambda: _ReadsMetadataAlways))
+    with pytest.raises(AttributeError) as err:
+        _engine(name)
+    (note,) = err.value.__notes__
+    assert note.startswith("graphattn: _ReadsMetadataAlways.forward (NO_NONE_CHECK) raised this")
+    assert "profile run, where attn_metadata is None" in note
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_builtin_name_is_not_taken_by_another_class(replace):
+    before = registered_backends()
+    clash = type("Clash", (TorchRefBackend,), {"get_name": staticmethod(lambda: "torch_ref")})
+    with pytest.raises(
+        ga.BackendError,
+        match=r"TORCH_REF is a built-in attention backend \(graphattn.attention.backends."
+        r"torch_ref.TorchRefBackend\); register .*Clash under a name of its own",
+    ):
+        ga.register_backend(clash, {"cpu": 5}, replace=replace)
+    assert registered_backends() == before
+    ga.register_backend(TorchRefBackend, {"cpu": 100, "cuda": 0})  # its own class: new ranks
+
+
+@pytest.mark.parametrize(
+    "members, message",
+    [
+        ({"supported_dtypes": torch.float32}, r"supported_dtypes must be a tuple of dtype"),
+        ({"supported_dtypes": ("float32",)}, r"supported_dtypes must be a tuple of dtype"),
+        ({"supported_devices": "cpu"}, r"supported_devices must be a tuple of str, e.g."),
+    ],
+)
+def test_supported_dtypes_and_devices_are_tuples(members, message):
+    backend = type("B", (TorchRefBackend,), {"get_name": staticmethod(lambda: "LOOSE"), **members})
+    with pytest.raises(ga.BackendError, match=message):
+        ga.register_backend(backend, {"cpu": 1})
+    assert "LOOSE" not in registered_backends()
+
+
+class _WritesNothing(TorchRefImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        if attn_metadata is None:
+            return output.zero_()
+        scratch = torch.zeros_like(kv_cache)  # "writes" a copy: the cache stays as it was
+        return TorchRefImpl.forward(self, layer, query, key, value, scratch, attn_metadata, output)
+
+
+def test_debug_finds_a_cache_write_that_does_nothing(registered):
+    name = registered("WRITES_NOTHING", get_impl_cls=staticmethod(lambda: _WritesNothing))
+    engine = _engine(name)  # without debug the step runs: registration cannot see it
+    engine.kv_cache.allocate(1)
+    engine.step(_request_batch())
+    engine = _engine(name, debug=True)
+    engine.kv_cache.allocate(1)
+    with pytest.raises(
+        ga.BackendError,
+        match=r"debug=True: the first step wrote 3 tokens' keys and values, but the KV cache "
+        r"of 1 of 1 layers did not change \(layers.0.attn; backend WRITES_NOTHING\)",
+    ):
+        engine.step(_request_batch())
+    engine.step(_request_batch())  # checked once: later steps run as without debug
+
+
+def test_debug_passes_a_backend_that_writes_and_checks_once():
+    engine = _engine("TORCH_REF", debug=True)
+    engine.kv_cache.allocate(1)
+    with pytest.raises(ga.InvalidBatchError):  # rejected before running: not yet checked
+        engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [99])]))
+    assert engine._check_kv_writes
+    engine.step(_request_batch())
+    assert not engine._check_kv_writes

@@ -92,6 +92,11 @@ def test_resolution_matches_the_table(key):
         assert isinstance(err.value, ValueError)
         text = str(err.value)
         assert "MYBACKEND" in text and support.name in text and "try cudagraph_mode=" in text
+        # the mode to try is one that resolves: PIECEWISE needs the split, NONE does not
+        assert f"try cudagraph_mode={'PIECEWISE' if split else 'NONE'}" in text
+        assert ("with the model compiled and split at attention" in text) == (
+            not split and mode.mixed_mode() == M.FULL
+        )
         return
     resolved, records = resolve_cudagraph_mode(mode, support, **kwargs)
     assert resolved == M[EXPECTED[key]]

@@ -81,11 +81,15 @@ def test_unknown_backend_name():
 
 
 def test_name_conflict_needs_replace():
-    class Clash(TorchRefBackend):
-        pass
-
-    with pytest.raises(ValueError, match="already registered"):
-        ga.register_backend(Clash, {"cpu": 1})
+    first, second = _named("MINE"), _named("mine")
+    ga.register_backend(first, {})
+    try:
+        with pytest.raises(ValueError, match="named 'MINE' is already registered"):
+            ga.register_backend(second, {"cpu": 1})
+        ga.register_backend(second, {}, replace=True)
+        assert ga.attention.registry.registered_backends()["MINE"] is second
+    finally:
+        ga.register_backend(second, {}, replace=True)
 
 
 def test_layer_and_config_can_name_the_backend(picky):
@@ -135,7 +139,7 @@ class Incomplete(ga.AttentionBackend):  # no get_impl_cls, get_builder_cls
         (_named("BADPRIO"), 5, "must map device types to ranks"),
         (_named("BADPRIO"), {"gpu": 5}, "names 'gpu', not a torch device type"),
         (_named("BADPRIO"), {"cpu": "high"}, "on cpu must be an int, got 'high'"),
-        (_named("torch_ref"), {"cpu": 1}, "named 'TORCH_REF' is already registered"),
+        (_named("torch_ref"), {"cpu": 1}, "TORCH_REF is a built-in attention backend"),
         (
             _named("BADBUILDER", get_builder_cls=staticmethod(lambda: object)),
             {"cpu": 1},

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from graphattn.errors import BackendError
+
 if TYPE_CHECKING:
     from graphattn.config import CompileConfig
     from graphattn.kv_cache import FullAttentionSpec
@@ -217,7 +219,9 @@ class AttentionImpl(ABC):
         in the rows' dtype and a copy. A backend whose kernels can fold the projection into
         attention overrides it (TRITON)."""
         rows = torch.empty_like(query)
-        self.forward(layer, query, key, value, kv_cache, attn_metadata, rows)
+        result = self.forward(layer, query, key, value, kv_cache, attn_metadata, rows)
+        if result is not None and result is not rows:
+            check_wrote_output(result, rows, f"{type(self).__qualname__}.forward")
         rows = rows.view(query.shape[0], -1)
         if rows.dtype == output.dtype:  # fp32 rows: the matmul writes the buffer itself
             return torch.mm(rows, weight.t(), out=output)
@@ -339,3 +343,26 @@ class AttentionBackend(ABC):
         if cfg.logits_soft_cap is not None and not cls.supports_logits_soft_cap():
             reasons.append("logits soft-capping not supported")
         return reasons
+
+
+def check_wrote_output(result: object, output: torch.Tensor, who: str) -> None:
+    """An impl's ``forward`` writes its rows into ``output`` and returns it (or None; a view
+    of it will do). Whatever else it returns is dropped by the op, so a new tensor would
+    leave ``output`` unwritten and the model would read whatever that memory held: a
+    ``BackendError`` naming ``who`` (the impl's method and backend) instead."""
+    if (
+        isinstance(result, torch.Tensor)
+        and result.data_ptr() == output.data_ptr()
+        and result.numel() == output.numel()
+    ):
+        return
+    got = (
+        f"a new tensor {result.dtype}{list(result.shape)}"
+        if isinstance(result, torch.Tensor)
+        else type(result).__name__
+    )
+    raise BackendError(
+        f"{who} returned {got}, not the output it was given ({output.dtype}"
+        f"{list(output.shape)}): an impl writes its result into output in place and returns "
+        "output (or None); anything else it returns is dropped, so output would stay unwritten"
+    )

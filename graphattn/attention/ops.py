@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from graphattn.attention.backend import check_wrote_output
 from graphattn.attention.forward_context import get_forward_context
+from graphattn.errors import BackendError
 
 _lib = torch.library.Library("graphattn", "FRAGMENT")
 
@@ -56,7 +58,16 @@ def _attention(
     kv_cache_dep: torch.Tensor | None = None,
 ) -> None:
     bound, metadata = _layer_and_metadata(layer_name)
-    bound.impl.forward(bound.layer, query, key, value, bound.kv_cache, metadata, output)
+    try:
+        result = bound.impl.forward(
+            bound.layer, query, key, value, bound.kv_cache, metadata, output
+        )
+    except Exception as e:
+        if metadata is None:
+            _note_profile_run(e, bound)
+        raise
+    if result is not None and result is not output:
+        check_wrote_output(result, output, _who(bound, "forward"))
 
 
 def _attention_o_proj(
@@ -69,9 +80,30 @@ def _attention_o_proj(
     kv_cache_dep: torch.Tensor | None = None,
 ) -> None:
     bound, metadata = _layer_and_metadata(layer_name)
-    bound.impl.forward_o_proj(
-        bound.layer, query, key, value, bound.kv_cache, metadata, weight, output
-    )
+    try:
+        result = bound.impl.forward_o_proj(
+            bound.layer, query, key, value, bound.kv_cache, metadata, weight, output
+        )
+    except Exception as e:
+        if metadata is None:
+            _note_profile_run(e, bound)
+        raise
+    if result is not None and result is not output:
+        check_wrote_output(result, output, _who(bound, "forward_o_proj"))
+
+
+def _who(bound, method: str) -> str:
+    return f"{type(bound.impl).__qualname__}.{method} ({bound.backend.get_name()})"
+
+
+def _note_profile_run(exc: Exception, bound) -> None:
+    """Adds to an error the impl raised in the profile run that it was the profile run,
+    where ``attn_metadata`` is None (an impl that reads it then fails at start-up)."""
+    if not isinstance(exc, BackendError):
+        exc.add_note(
+            f"graphattn: {_who(bound, 'forward')} raised this in the profile run, where attn_metadata is None: an impl fills output with "
+            "zeros and returns then (docs/backends.md, 'What the engine promises a backend')"
+        )
 
 
 def _layer_and_metadata(layer_name: str):

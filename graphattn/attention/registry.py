@@ -27,7 +27,8 @@ def register_backend(
 
     A backend may be registered for devices it only sometimes serves (its
     ``validate_configuration`` says when not). Names are case-insensitive; re-registering a
-    name needs ``replace=True``. A malformed backend or priority is a ``BackendError`` and
+    name needs ``replace=True``, and a built-in's name (TORCH_REF, TRITON) takes only its own
+    class (with new priorities). A malformed backend or priority is a ``BackendError`` and
     leaves the registry as it was.
     """
     _ensure_builtins()
@@ -36,6 +37,13 @@ def register_backend(
     _check_builder_and_block_sizes(backend, name)
     ranks = _checked_priority(name, priority)
     key = name.upper()
+    if key in _BACKENDS and _BACKENDS[key] is not backend and _is_builtin(_BACKENDS[key]):
+        # replacing one would run the user's class under the built-in's name in every report
+        raise BackendError(
+            f"{key} is a built-in attention backend ({_BACKENDS[key].full_cls_name()}); "
+            f"register {backend.full_cls_name()} under a name of its own (get_name()) and "
+            "select it by that name, or rank it above the built-in with its priority"
+        )
     if key in _BACKENDS and _BACKENDS[key] is not backend and not replace:
         raise BackendError(
             f"an attention backend named {_BACKENDS[key].get_name()!r} is already registered "
@@ -99,6 +107,18 @@ def _check_builder_and_block_sizes(backend: type[AttentionBackend], name: str) -
             f"{name}.get_builder_cls() must return an AttentionMetadataBuilder subclass, got "
             f"{builder!r}"
         )
+    for attr, kind, example in (
+        ("supported_dtypes", torch.dtype, "(torch.float16, torch.bfloat16)"),
+        ("supported_devices", str, '("cuda", "cpu")'),
+    ):
+        value = getattr(backend, attr)
+        if not isinstance(value, (tuple, list, frozenset, set)) or not all(
+            isinstance(v, kind) for v in value
+        ):
+            # a bare dtype fails in `in`; a bare "cpu" would answer by substring
+            raise BackendError(
+                f"{name}.{attr} must be a tuple of {kind.__name__}, e.g. {example}, got {value!r}"
+            )
     sizes = backend.get_supported_kernel_block_sizes()
     if not isinstance(sizes, (tuple, list)) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes
@@ -211,6 +231,13 @@ def _describe(cfg: AttentionSelectorConfig) -> str:
         f"dtype={cfg.dtype}, kv_cache_dtype={cfg.kv_cache_dtype}, "
         f"block_size={cfg.block_size}, device={cfg.device_type}{extra}"
     )
+
+
+def _is_builtin(backend: type[AttentionBackend]) -> bool:
+    return backend.__module__.startswith(_BUILTIN_PACKAGE)
+
+
+_BUILTIN_PACKAGE = "graphattn.attention.backends."
 
 
 def _ensure_builtins() -> None:
