@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -285,14 +286,18 @@ class CompiledModel:
         a FallbackWarning, a log line and a record (or, with strict=True, an error).
         """
         weakest = min(self.attn_groups, key=lambda g: g.cudagraph_support)
-        mode, records = resolve_for_engine(
+        resolve = functools.partial(
+            resolve_for_engine,
             self.config.cudagraph_mode,
             weakest.cudagraph_support,
-            has_cuda=self.device.type == "cuda",
             attention_is_splitting_op=self._attention_is_split(),
             backend_name=weakest.backend.get_name(),
             has_decode_size=self.config.has_decode_capture_size(),
         )
+        mode, records = resolve(has_cuda=self.device.type == "cuda")
+        self.mode_on_cuda = None  # off CUDA: what the same request would get on a GPU
+        if self.device.type != "cuda" and self.config.cudagraph_mode != CUDAGraphMode.NONE:
+            self.mode_on_cuda = _describe_resolution(self.config.cudagraph_mode, resolve)
         for record in records:
             if self.config.strict:
                 raise CUDAGraphModeError(f"strict=True forbids lowering the mode: {record}")
@@ -434,6 +439,7 @@ class CompiledModel:
             capture=self.capture_info,
             kernels=dict(self.kernel_settings),
             startup_seconds=seconds,
+            mode_on_cuda=self.mode_on_cuda,
         )
 
 
@@ -664,3 +670,16 @@ def _fingerprint(t: torch.Tensor) -> int:
 
 def _span_of(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]}"
+
+
+def _describe_resolution(requested: CUDAGraphMode, resolve: Callable) -> str:
+    """What ``resolve(has_cuda=True)`` makes of ``requested``: the report's line for an
+    engine off CUDA, where every mode is NONE and the backend's support level decides
+    nothing (a backend author testing on the CPU sees what a GPU would do)."""
+    try:
+        _, records = resolve(has_cuda=True)
+    except CUDAGraphModeError as e:
+        return f"{requested}: an error ({e})"
+    if not records:
+        return f"{requested}, kept"
+    return "; then ".join(str(r) for r in records)

@@ -49,6 +49,8 @@ class Report:
     capture: dict[str, Any] = field(default_factory=dict)
     kernels: dict[str, Any] = field(default_factory=dict)  # how graphattn's kernels launch
     startup_seconds: float = 0.0
+    # off CUDA, what the requested mode would resolve to on a CUDA device (None on CUDA)
+    mode_on_cuda: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -58,6 +60,8 @@ class Report:
             f"cudagraph mode: requested {self.requested_mode} -> resolved {self.resolved_mode}",
             f"device: {self.device} ({self.dtype}); start-up {self.startup_seconds:.2f} s",
         ]
+        if self.mode_on_cuda is not None:
+            lines.append(f"on a CUDA device: {self.mode_on_cuda}")
         lines += (
             ["fallbacks:"] + [f"  - {f}" for f in self.fallbacks]
             if self.fallbacks

@@ -295,3 +295,35 @@ def test_debug_passes_a_backend_that_writes_and_checks_once():
     assert engine._check_kv_writes
     engine.step(_request_batch())
     assert not engine._check_kv_writes
+
+
+@pytest.mark.parametrize(
+    "support, mode, expected",
+    [
+        ("NEVER", "FULL", "FULL: an error (cudagraph_mode=FULL needs full CUDA graphs for every"),
+        (
+            "UNIFORM_BATCH",
+            "FULL_DECODE_ONLY",
+            "FULL_DECODE_ONLY, kept",
+        ),
+        (
+            "UNIFORM_BATCH",
+            "FULL",
+            "cudagraph_mode FULL -> FULL_DECODE_ONLY (mixed batches need ALWAYS for full graphs): "
+            "backend LEVEL supports UNIFORM_BATCH",
+        ),
+        ("ALWAYS", "NONE", None),
+    ],
+)
+def test_off_cuda_the_report_says_what_a_gpu_would_resolve(registered, support, mode, expected):
+    level = getattr(ga.AttentionCGSupport, support)
+    name = registered("LEVEL", builder_members={"cudagraph_support": level})
+    engine = _engine(name, cudagraph_mode=mode)
+    assert engine.report.resolved_mode == "NONE"  # the CPU: no graphs whatever the level
+    if expected is None:
+        assert engine.report.mode_on_cuda is None
+        assert "on a CUDA device" not in str(engine.report)
+    else:
+        assert engine.report.mode_on_cuda.startswith(expected)
+        assert f"on a CUDA device: {engine.report.mode_on_cuda}" in str(engine.report).splitlines()
+        assert engine.report.to_dict()["mode_on_cuda"] == engine.report.mode_on_cuda
