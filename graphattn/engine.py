@@ -31,6 +31,7 @@ from graphattn.errors import (
     ConfigError,
     CUDAGraphModeError,
     FallbackWarning,
+    GraphAttnError,
     InvalidInputError,
 )
 from graphattn.kernels import attention_plan, pdl, precompile, triton_import_error
@@ -178,23 +179,32 @@ class CompiledModel:
             return self.runner.execute(batch, clone=clone)
 
     def _step_checking_kv_writes(self, batch: Batch, clone: bool) -> torch.Tensor:
-        """``debug=True``'s first step: a layer whose KV cache is the same after it as
-        before was not written, which registration cannot see (it checks only where a
-        backend says it writes). The cache starts zeroed, so any key or value written
-        changes its fingerprint (unless every one written is exactly zero)."""
+        """``debug=True``'s first step: a backend none of whose layers' KV caches changed
+        wrote nothing, which registration cannot see (it checks only where a backend says it
+        writes). The cache starts zeroed, so any key or value written changes its
+        fingerprint (unless every one written is exactly zero). A backend that wrote some of
+        its layers and not others is not blamed: a model may hold a ga.Attention that it
+        does not call."""
         before = {name: _fingerprint(t) for name, t in self.kv_cache.tensors.items()}
         out = self.runner.execute(batch, clone=clone)  # a rejected batch: checked next step
         self._check_kv_writes = False
-        unchanged = [n for n, t in self.kv_cache.tensors.items() if _fingerprint(t) == before[n]]
-        if unchanged:
-            named = sorted({self.bound[n].backend.get_name() for n in unchanged if n in self.bound})
+        layers_of: dict[str, list[str]] = {}
+        changed: set[str] = set()
+        for name, t in self.kv_cache.tensors.items():
+            backend = self.bound[name].backend.get_name()
+            layers_of.setdefault(backend, []).append(name)
+            if _fingerprint(t) != before[name]:
+                changed.add(backend)
+        silent = sorted(set(layers_of) - changed)
+        if silent:
+            layers = [n for b in silent for n in layers_of[b]]
             raise BackendError(
-                f"debug=True: the first step wrote {batch.num_tokens} tokens' keys and values, "
-                f"but the KV cache of {len(unchanged)} of {len(before)} layers did not change "
-                f"({_span_of(unchanged)}; backend {', '.join(named)}): the impl's write does "
-                "nothing (it belongs in forward when the backend's "
-                "forward_includes_kv_cache_update is True, else in do_kv_cache_update), or "
-                "every key and value it wrote was exactly zero"
+                f"debug=True: the first step had {batch.num_tokens} tokens' keys and values to "
+                f"write, but the KV cache of no layer of backend {', '.join(silent)} changed "
+                f"({len(layers)} layers: {_span_of(layers)}): its write does nothing (it "
+                "belongs in forward when the backend's forward_includes_kv_cache_update is "
+                "True, else in do_kv_cache_update), or every key and value it wrote was "
+                "exactly zero, or the model calls none of these layers"
             )
         return out
 
@@ -289,21 +299,53 @@ class CompiledModel:
         resolve = functools.partial(
             resolve_for_engine,
             self.config.cudagraph_mode,
-            weakest.cudagraph_support,
             attention_is_splitting_op=self._attention_is_split(),
-            backend_name=weakest.backend.get_name(),
             has_decode_size=self.config.has_decode_capture_size(),
         )
-        mode, records = resolve(has_cuda=self.device.type == "cuda")
+        mode, records = resolve(
+            weakest.cudagraph_support,
+            has_cuda=self.device.type == "cuda",
+            backend_name=weakest.backend.get_name(),
+        )
         self.mode_on_cuda = None  # off CUDA: what the same request would get on a GPU
         if self.device.type != "cuda" and self.config.cudagraph_mode != CUDAGraphMode.NONE:
-            self.mode_on_cuda = _describe_resolution(self.config.cudagraph_mode, resolve)
+            self.mode_on_cuda = self._mode_on_cuda(resolve)
         for record in records:
             if self.config.strict:
                 raise CUDAGraphModeError(f"strict=True forbids lowering the mode: {record}")
             logger.warning("%s", record)
             warnings.warn(str(record), FallbackWarning, stacklevel=4)
         return mode, records
+
+    def _mode_on_cuda(self, resolve: Callable) -> str:
+        """What the requested mode would resolve to on a CUDA device: each layer's backend
+        selected again for CUDA (automatic selection ranks backends per device), then the
+        weakest one's support level through ``resolve`` (``resolve_for_engine`` with this
+        engine's request)."""
+        weakest: tuple[AttentionCGSupport, str] | None = None
+        for name, b in self.bound.items():
+            requested = b.layer.requested_backend or self.config.attention_backend
+            cfg = b.layer.selector_config(
+                self.dtype, self.kv_cache_dtype, self.config.block_size, "cuda"
+            )
+            try:
+                backend = select_backend(cfg, requested).backend
+                spec = b.layer.get_kv_cache_spec(self.config.block_size, self.kv_cache_dtype)
+                support = backend.get_builder_cls().get_cudagraph_support(self.config, spec)
+            except GraphAttnError as e:
+                return f"no backend for {name} ({e})"
+            if not isinstance(support, AttentionCGSupport):
+                return f"{backend.get_name()} declares CUDA-graph support {support!r}"
+            if weakest is None or support < weakest[0]:
+                weakest = (support, backend.get_name())
+        assert weakest is not None  # an engine has attention layers
+        try:
+            _, records = resolve(weakest[0], has_cuda=True, backend_name=weakest[1])
+        except CUDAGraphModeError as e:
+            return f"{self.config.cudagraph_mode}: an error ({e})"
+        if not records:
+            return f"{self.config.cudagraph_mode}, kept (backend {weakest[1]})"
+        return "; then ".join(str(r) for r in records)
 
     def _attention_is_split(self) -> bool:
         """True when the model is compiled piecewise with the attention op as a splitting op."""
@@ -660,26 +702,17 @@ def _device_and_dtype(model: nn.Module, config: CompileConfig) -> tuple[torch.de
     return device, dtype
 
 
-def _fingerprint(t: torch.Tensor) -> int:
+def _fingerprint(t: torch.Tensor, chunk: int = 1 << 22) -> int:
     """A sum over the tensor's bits (int32 words where its bytes allow): changed by any
-    write of values other than those it held."""
+    write of values other than those it held. Summed a chunk at a time, so the int64
+    copies the sums make stay small beside a cache of many GiB."""
     raw = t.detach().reshape(-1).view(torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    return int(words.sum(dtype=torch.int64))
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), chunk):
+        total += words[start : start + chunk].sum(dtype=torch.int64)
+    return int(total)
 
 
 def _span_of(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]}"
-
-
-def _describe_resolution(requested: CUDAGraphMode, resolve: Callable) -> str:
-    """What ``resolve(has_cuda=True)`` makes of ``requested``: the report's line for an
-    engine off CUDA, where every mode is NONE and the backend's support level decides
-    nothing (a backend author testing on the CPU sees what a GPU would do)."""
-    try:
-        _, records = resolve(has_cuda=True)
-    except CUDAGraphModeError as e:
-        return f"{requested}: an error ({e})"
-    if not records:
-        return f"{requested}, kept"
-    return "; then ".join(str(r) for r in records)

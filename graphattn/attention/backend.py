@@ -221,7 +221,9 @@ class AttentionImpl(ABC):
         rows = torch.empty_like(query)
         result = self.forward(layer, query, key, value, kv_cache, attn_metadata, rows)
         if result is not None and result is not rows:
-            check_wrote_output(result, rows, f"{type(self).__qualname__}.forward")
+            check_wrote_output(
+                result, rows, f"{type(self).__qualname__}.forward (via forward_o_proj)"
+            )
         rows = rows.view(query.shape[0], -1)
         if rows.dtype == output.dtype:  # fp32 rows: the matmul writes the buffer itself
             return torch.mm(rows, weight.t(), out=output)
@@ -346,14 +348,14 @@ class AttentionBackend(ABC):
 
 
 def check_wrote_output(result: object, output: torch.Tensor, who: str) -> None:
-    """An impl's ``forward`` writes its rows into ``output`` and returns it (or None; a view
-    of it will do). Whatever else it returns is dropped by the op, so a new tensor would
-    leave ``output`` unwritten and the model would read whatever that memory held: a
-    ``BackendError`` naming ``who`` (the impl's method and backend) instead."""
+    """An impl's ``forward`` writes its rows into ``output`` and returns it (or None, or a
+    view of it, such as its real tokens' rows). Whatever else it returns is dropped by the
+    op, so a new tensor would leave ``output`` unwritten and the model would read whatever
+    that memory held: a ``BackendError`` naming ``who`` (the impl's method and backend)
+    instead."""
     if (
         isinstance(result, torch.Tensor)
-        and result.data_ptr() == output.data_ptr()
-        and result.numel() == output.numel()
+        and result.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
     ):
         return
     got = (
@@ -364,5 +366,6 @@ def check_wrote_output(result: object, output: torch.Tensor, who: str) -> None:
     raise BackendError(
         f"{who} returned {got}, not the output it was given ({output.dtype}"
         f"{list(output.shape)}): an impl writes its result into output in place and returns "
-        "output (or None); anything else it returns is dropped, so output would stay unwritten"
+        "output (or None, or a view of it); anything else it returns is dropped, so output "
+        "would stay unwritten"
     )

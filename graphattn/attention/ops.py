@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from graphattn._logging import logger
 from graphattn.attention.backend import check_wrote_output
 from graphattn.attention.forward_context import get_forward_context
 from graphattn.errors import BackendError
@@ -97,11 +98,15 @@ def _note_profile_run(exc: Exception, bound, method: str, metadata) -> None:
     so: an impl that reads the metadata without checking for None fails there, at start-up,
     with an error of its own that would not say why."""
     if metadata is None and not isinstance(exc, BackendError):
-        exc.add_note(
+        note = (
             f"graphattn: {_who(bound, method)} raised this in the profile run, where "
             "attn_metadata is None: an impl fills output with zeros and returns then "
             "(docs/backends.md, 'What the engine promises a backend')"
         )
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(note)
+        else:
+            logger.error("%s", note)
 
 
 def _who(bound, method: str) -> str:
