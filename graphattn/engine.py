@@ -126,6 +126,8 @@ class CompiledModel:
         self.capture_info = self.graphs.capture(self.runner, weights)
         if self.capture_info:  # graphs were captured
             self.capture_info["kernel_precompile"] = self.runner.precompile.as_dict()
+        else:  # the capture's warm-ups did not build metadata: build it once here
+            self.runner.build_once()
         if self.graphs.mode.has_full_cudagraphs():
             self.capture_info["input_copies"] = (
                 "inside full graphs" if self.runner.copies_in_full_graphs else "before each step"

@@ -413,6 +413,13 @@ class ModelRunner:
             plan = self._warm_up(mode, key, warmups)
             self.run(plan, capturing=True)
 
+    def build_once(self) -> None:
+        """Every group's metadata built once for a synthetic one-token batch (no model run,
+        nothing written): a builder that raises or returns None does so at start-up, not
+        at the first step. An engine that captures graphs builds in its warm-ups instead."""
+        plan = self._synthetic_plan(CUDAGraphMode.NONE, BatchDescriptor(1, 1))
+        self.build_metadata(self.common_metadata(plan))
+
     def _warm_up(self, mode: CUDAGraphMode, key: BatchDescriptor, times: int = 1) -> StepPlan:
         """Run ``key``'s synthetic batch eagerly ``times`` times, with the kernels the
         capture will record (they compile and load outside the graph); the plan to capture."""

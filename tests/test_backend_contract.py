@@ -74,12 +74,25 @@ def test_support_level_must_be_an_enum(registered, support):
 
 
 def test_metadata_none_is_an_error_not_a_profile_run(registered):
+    """Found at start-up: an engine without graphs builds every group's metadata once for a
+    synthetic batch (graph modes build in their capture's warm-ups)."""
     name = registered("NO_METADATA", builder_members={"build": lambda self, prefix, cam: None})
+    with pytest.raises(ga.BackendError, match=r"built no metadata \(None\) for a step"):
+        _engine(name)
+
+
+def test_metadata_none_at_a_step_changes_nothing(registered):
+    def build(self, prefix, cam):  # None for prefills only: start-up's one token passes
+        return (
+            None if cam.num_actual_tokens > 1 else TorchRefMetadataBuilder.build(self, prefix, cam)
+        )
+
+    name = registered("NONE_FOR_PREFILLS", builder_members={"build": build})
     engine = _engine(name)
     engine.kv_cache.allocate(2)
     snap = snapshot(engine)
     with pytest.raises(ga.BackendError, match=r"built no metadata \(None\) for a step"):
-        engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [0])]))
+        engine.step(_request_batch())
     assert_unchanged(engine, snap)
     assert engine.stats.steps == 0
 
