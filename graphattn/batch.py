@@ -52,6 +52,12 @@ class Batch:
     def seq_lens(self) -> np.ndarray:
         return self.num_computed_tokens + self.query_lens
 
+    def last_token_rows(self) -> np.ndarray:
+        """``[R]`` int64: the row of ``engine.step``'s output holding each request's last new
+        token, in the caller's order (the rows a sampler reads; a prefill chunk that does
+        not end its prompt has nothing to sample there)."""
+        return np.cumsum(self.query_lens, dtype=np.int64) - 1
+
     @classmethod
     def from_requests(cls, requests: Sequence[Request]) -> Batch:
         """Arrays from ``Request`` objects (any iterable of them); a malformed request is an

@@ -90,7 +90,7 @@ class CompileConfig:
             warning for decode batches without a full graph are not lowerings).
         debug: extra checks (input addresses at replay, recompiles raise, a warm start
             traces anyway and compares with the trace cache's graph, the first step
-            wrote every layer's KV cache).
+            wrote each backend's KV cache, every step's blocks are allocated).
     """
 
     max_num_seqs: int = 128

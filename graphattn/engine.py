@@ -437,6 +437,7 @@ class CompiledModel:
             c.block_size,
             c.num_blocks,
             _declared_vocab(self.model),
+            self.kv_cache.allocator if c.debug else None,
         )
 
     def _make_report(self, seconds: float) -> Report:

@@ -20,7 +20,8 @@ class InvalidBatchError(InvalidInputError):
 
 
 class OutOfBlocksError(GraphAttnError, RuntimeError):
-    """The block allocator cannot satisfy a request; nothing was allocated."""
+    """The block allocator cannot satisfy a request (too few free blocks, or ids to free
+    that are not allocated); nothing was allocated or freed."""
 
 
 class BackendSelectionError(GraphAttnError, ValueError):

@@ -64,7 +64,7 @@ def generate(
             scheduled = _schedule(engine, waiting, running, max_new_tokens)
             batch = _to_batch(scheduled, engine.kv_cache.block_size)
             hidden = engine.step(batch, clone=False)  # read below, before the next step
-            ends = np.cumsum(batch.query_lens) - 1
+            ends = batch.last_token_rows()
             sampling = [
                 i for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)
             ]

@@ -130,10 +130,18 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops the lowest ids first
         self._in_use = np.zeros(num_blocks, dtype=bool)
+        self.handed_out = False  # whether any block was ever allocated (debug's block check)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def in_use(self) -> np.ndarray:
+        """``[num_blocks]`` bool, True where a block is allocated (a live, read-only view)."""
+        view = self._in_use.view()
+        view.flags.writeable = False
+        return view
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free block ids; on exhaustion raises and allocates nothing."""
@@ -146,6 +154,7 @@ class BlockAllocator:
             )
         ids = [self._free.pop() for _ in range(n)]
         self._in_use[ids] = True
+        self.handed_out = self.handed_out or n > 0
         return ids
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -159,11 +168,22 @@ class BlockAllocator:
         not_ints = [b for b in ids if not is_int(b)]
         if not_ints:
             raise InvalidInputError(f"block ids must be ints, got {not_ints[0]!r}")
-        bad = [b for b in ids if not (0 <= b < self.num_blocks) or not self._in_use[b]]
-        if bad or len(set(ids)) != len(ids):
+        outside = [b for b in ids if not 0 <= b < self.num_blocks]
+        not_allocated = [b for b in ids if b not in outside and not self._in_use[b]]
+        repeated = sorted({b for b in ids if ids.count(b) > 1}) if len(set(ids)) != len(ids) else []
+        if outside or not_allocated or repeated:
+            why = [
+                f"{what} {found}"
+                for what, found in (
+                    (f"outside [0, {self.num_blocks}):", outside),
+                    ("not allocated (free already, or never handed out):", not_allocated),
+                    ("given more than once:", repeated),
+                )
+                if found
+            ]
             raise OutOfBlocksError(
-                f"cannot free block ids {bad or ids}: expected distinct allocated ids in "
-                f"[0, {self.num_blocks})"
+                f"cannot free block ids {ids if len(ids) <= 8 else ids[:8] + ['...']}: expected "
+                f"distinct allocated ids; {'; '.join(why)}. Nothing was freed"
             )
         ids = [int(b) for b in ids]  # ids handed out later are plain ints, whatever came in
         self._in_use[ids] = False

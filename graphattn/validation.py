@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,10 @@ class BatchLimits:
     block_size: int
     num_blocks: int
     vocab_size: int | None = None
+    # debug=True: the engine's BlockAllocator; once it has handed out a block, every block
+    # a step uses must be allocated. Off by default, and before any allocate: a caller may
+    # run its own allocator over the cache.
+    allocator: Any = None
 
 
 def check_batch(batch: Batch, limits: BatchLimits) -> int:
@@ -46,9 +51,32 @@ def check_batch(batch: Batch, limits: BatchLimits) -> int:
             f"the batch has {t} tokens; max_num_tokens is {limits.max_num_tokens}"
         )
     if t == r and _is_decode_layout(batch) and _all_equal(batch.query_lens, 1):
-        return _check_decode(batch, limits)  # every request decodes one token
-    _check_shapes(batch)
-    return _check_general(batch, limits)
+        longest = _check_decode(batch, limits)  # every request decodes one token
+    else:
+        _check_shapes(batch)
+        longest = _check_general(batch, limits)
+    if limits.allocator is not None and limits.allocator.handed_out:
+        width = -(-longest // limits.block_size)
+        _check_allocated(batch, limits.allocator.in_use, width, limits.block_size)
+    return longest
+
+
+def _check_allocated(batch: Batch, allocated: np.ndarray, width: int, block_size: int) -> None:
+    """``debug=True``, once the engine's allocator has handed out a block: every block id a
+    request uses is one it handed out and has not taken back (a table kept after ``free``,
+    an id never allocated). Not seen: a freed block allocated again to another request,
+    which the allocator cannot tell from its new owner's."""
+    table = batch.block_table[:, :width]
+    seq_lens = batch.num_computed_tokens.astype(np.int64) + batch.query_lens
+    used = np.arange(width)[None, :] < -(-seq_lens // block_size)[:, None]
+    bad = used & ~allocated[np.where(used, table, 0)]
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise InvalidBatchError(
+            f"request {i}: block id {table[i, j]} (entry {j}) is not allocated (debug=True "
+            "checks every block a step uses against engine.kv_cache: freed, or never "
+            "handed out by allocate)"
+        )
 
 
 def _check_general(batch: Batch, limits: BatchLimits) -> int:

@@ -845,3 +845,42 @@ def test_step_clone_must_be_a_bool(clone):
     with pytest.raises(ga.InvalidInputError, match=f"clone must be True or False, got {clone!r}"):
         engine.step(ga.Batch.from_requests([R([1, 2], 0, [0])]), clone=clone)
     assert_unchanged(engine, snap)
+
+
+def test_debug_checks_every_used_block_is_allocated():
+    """A serving loop's use after free: a table kept after ``free``, or an id never
+    allocated. Only with debug=True (a caller may run its own allocator over the cache)."""
+    model = TableAttentionModel(40, 4, 2, 64)
+    loose = eager_engine(model, num_blocks=8, max_model_len=96)
+    loose.kv_cache.allocate(1)
+    loose.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [5])]))  # never allocated: runs
+    engine = eager_engine(model, num_blocks=8, max_model_len=96, debug=True)
+    # a loop with its own allocator (it never calls allocate) is not checked
+    engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [5])]))
+    blocks = engine.kv_cache.allocate(2)
+    engine.step(ga.Batch.from_requests([ga.Request(list(range(20)), 0, blocks)]))
+    engine.kv_cache.free(blocks[1:])
+    snap = snapshot(engine)
+    stale = ga.Batch.from_requests([ga.Request([7], 20, blocks)])  # reads block 1 after free
+    with pytest.raises(
+        ga.InvalidBatchError,
+        match=r"request 0: block id 1 \(entry 1\) is not allocated \(debug=True checks",
+    ):
+        engine.step(stale)
+    with pytest.raises(ga.InvalidBatchError, match=r"block id 6 \(entry 0\) is not allocated"):
+        engine.step(ga.Batch.from_requests([ga.Request([1, 2], 0, [6])]))
+    assert_unchanged(engine, snap)
+    # entries past a request's blocks may hold anything: -1 or a freed id
+    engine.step(
+        ga.Batch.from_arrays(
+            np.array([7]), np.array([1]), np.array([3]), np.array([blocks[:1] + [1]])
+        )
+    )
+
+
+def test_last_token_rows_are_the_rows_to_sample():
+    batch = ga.Batch.from_requests(
+        [ga.Request([1, 2, 3], 0, [0]), ga.Request([4], 5, [1]), ga.Request([5, 6], 0, [2])]
+    )
+    assert batch.last_token_rows().tolist() == [2, 3, 5]
+    assert batch.last_token_rows().dtype == np.int64

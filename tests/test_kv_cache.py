@@ -31,6 +31,21 @@ def test_allocator_allocates_distinct_and_frees():
     assert sorted(alloc.allocate(4)) == sorted(a)
 
 
+def test_a_bad_free_says_which_ids_and_why():
+    alloc = BlockAllocator(4)
+    ids = alloc.allocate(2)  # [0, 1]
+    with pytest.raises(
+        ga.OutOfBlocksError,
+        match=r"cannot free block ids \[0, 0, 3, 9\]: expected distinct allocated ids; outside "
+        r"\[0, 4\): \[9\]; not allocated \(free already, or never handed out\): \[3\]; given "
+        r"more than once: \[0\]. Nothing was freed",
+    ):
+        alloc.free([ids[0], ids[0], 3, 9])
+    assert alloc.num_free == 2 and alloc.in_use.tolist() == [True, True, False, False]
+    with pytest.raises(ValueError, match="read-only"):
+        alloc.in_use[2] = True  # a view to read, not a way to allocate
+
+
 def test_allocator_rejects_bad_free_and_changes_nothing():
     alloc = BlockAllocator(4)
     ids = alloc.allocate(2)
