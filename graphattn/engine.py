@@ -145,7 +145,7 @@ class CompiledModel:
                     else f"three memcpy nodes ({staging_note or 'GRAPHATTN_INPUT_STAGING=copies'})"
                 )
         self.runner.planner = self.graphs.dispatcher.dispatch
-        # debug: the first step that runs checks that it wrote every layer's KV cache
+        # debug: the first step that runs checks that it wrote each backend's KV cache
         self._check_kv_writes = config.debug
         self.report = self._make_report(time.perf_counter() - start)
         logger.info("graphattn engine ready:\n%s", self.report)
