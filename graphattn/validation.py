@@ -137,6 +137,7 @@ def _check_shared_blocks(batch, block_size, blocks, req, entry, shared) -> None:
         groups.setdefault(int(blocks[k]), set()).update((k, k + 1))
     q, computed, table = batch.query_lens, batch.num_computed_tokens, batch.block_table
     token_start = np.cumsum(q) - q
+    decodes_only = bool((q == 1).all())
     for block, members in groups.items():
         entry_of: dict[int, int] = {}
         for k in sorted(members):
@@ -168,6 +169,17 @@ def _check_shared_blocks(batch, block_size, blocks, req, entry, shared) -> None:
                         f"requests {other} and {r} both write position {pos} of block {block} "
                         f"with different tokens ({other_token} and {token})"
                     )
+        if decodes_only:  # a decode reads no slot another decode writes in the same step
+            for r, e in sorted(entry_of.items()):
+                for pos in range(e * block_size, min(int(computed[r]), (e + 1) * block_size)):
+                    writer = written.get(pos, (r, 0))[0]
+                    if writer != r:
+                        raise InvalidBatchError(
+                            f"request {r} reads position {pos} of block {block} as cached, but "
+                            f"request {writer} writes it in this step: in a batch of one-token "
+                            "decodes the writes happen inside attention, so the read would race "
+                            "them (one sequence listed twice does this)"
+                        )
 
 
 def _check_decode_writes(batch: Batch, block_size: int) -> None:

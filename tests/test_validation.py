@@ -299,6 +299,20 @@ def _writes_ok_naively(batch, block_size) -> bool:
             if slots.setdefault((block, pos % block_size), token) != token:
                 return False
         start += q
+    if (batch.query_lens == 1).all():
+        # in a block several decodes write, none of them reads a slot another one writes
+        # (reads by requests that do not write the block are not checked: they would scan
+        # every table)
+        writer = {}
+        for r, c in enumerate(batch.num_computed_tokens.tolist()):
+            writer[(int(batch.block_table[r, c // block_size]), c % block_size)] = r
+        shared = {b for b, pairs in owners.items() if len(pairs) > 1}
+        for r, c in enumerate(batch.num_computed_tokens.tolist()):
+            own = int(batch.block_table[r, c // block_size])
+            for pos in range(c // block_size * block_size, c):  # its cached part of that block
+                w = writer.get((own, pos % block_size))
+                if own in shared and w is not None and w != r:
+                    return False
     return True
 
 
@@ -328,3 +342,19 @@ def test_the_write_rules_agree_with_a_token_by_token_oracle(batch):
         assert "write" in str(e)  # the other checks pass on these batches
         accepted = False
     assert accepted == _writes_ok_naively(batch, 4)
+
+
+def test_one_sequence_twice_in_a_decode_batch_is_refused():
+    """Positions 5 and 6 of one sequence as two one-token decodes: the second reads slot 5
+    as cached while the first writes it, inside the same attention launch on TRITON."""
+    batch = _decode(np.array([5, 6], np.int32), np.array([[0, 1], [0, 1]], np.int32))
+    with pytest.raises(
+        ga.InvalidBatchError,
+        match=r"request 1 reads position 5 of block 0 as cached, but request 0 writes it in "
+        r"this step: in a batch of one-token decodes the writes happen inside attention",
+    ):
+        check_batch(batch, LIMITS)
+    # the same two tokens as one request's two-token chunk are fine
+    chunk = ga.Batch.from_arrays(np.array([3, 4]), np.array([2], np.int32),
+                                 np.array([5], np.int32), np.array([[0, 1]], np.int32))  # fmt: skip
+    assert check_batch(chunk, LIMITS) == 7
