@@ -218,6 +218,18 @@ class CompiledModel:
             raise InvalidInputError(
                 f"{type(self.model).__name__} has no compute_logits(hidden); generate needs one"
             )
+        if not (
+            isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and hidden.is_floating_point()
+        ):  # a row picked as out[-1] (1-D), or token ids, would fail inside the head or pass
+            got = (
+                f"{hidden.dtype}{list(hidden.shape)}"
+                if isinstance(hidden, torch.Tensor)
+                else type(hidden).__name__
+            )
+            raise InvalidInputError(
+                f"compute_logits takes step rows [T, hidden] of a floating dtype (one row: "
+                f"out[-1:], not out[-1]), got {got}"
+            )
         return self.model.compute_logits(hidden)
 
     def generate(

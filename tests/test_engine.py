@@ -38,6 +38,24 @@ def test_incremental_decoding_equals_recomputing(device):
     assert rel_err(incremental, recomputed) < 1e-5
 
 
+def test_compute_logits_takes_2d_float_rows():
+    model = _llama()
+    engine = eager_engine(model, cudagraph_mode="NONE", num_blocks=8, max_model_len=64)
+    hidden = engine.step(
+        ga.Batch.from_requests([ga.Request([1, 2, 3], 0, engine.kv_cache.allocate(1))])
+    )
+    assert engine.compute_logits(hidden[-1:]).shape == (1, model.vocab_size)
+    for bad, got in (
+        (hidden[-1], rf"torch.float32\[{hidden.shape[1]}\]"),
+        (torch.tensor([[1, 2]]), r"torch.int64\[1, 2\]"),
+        ([0.5] * 64, "list"),
+    ):
+        with pytest.raises(
+            ga.InvalidInputError, match=r"compute_logits takes step rows \[T, hidden\] .*got " + got
+        ):
+            engine.compute_logits(bad)
+
+
 @given(order=st.permutations(list(range(6))), seed=st.integers(0, 1000))
 def test_caller_order_is_preserved(order, seed):
     """Rows come back in the caller's request order however decodes and prefills are mixed."""
