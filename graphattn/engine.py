@@ -33,6 +33,7 @@ from graphattn.errors import (
     FallbackWarning,
     GraphAttnError,
     InvalidInputError,
+    arrived,
 )
 from graphattn.kernels import attention_plan, pdl, precompile, triton_import_error
 from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
@@ -221,14 +222,9 @@ class CompiledModel:
         if not (
             isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and hidden.is_floating_point()
         ):  # a row picked as out[-1] (1-D), or token ids, would fail inside the head or pass
-            got = (
-                f"{hidden.dtype}{list(hidden.shape)}"
-                if isinstance(hidden, torch.Tensor)
-                else type(hidden).__name__
-            )
             raise InvalidInputError(
                 f"compute_logits takes step rows [T, hidden] of a floating dtype (one row: "
-                f"out[-1:], not out[-1]), got {got}"
+                f"out[-1:], not out[-1]), got {arrived(hidden)}"
             )
         return self.model.compute_logits(hidden)
 

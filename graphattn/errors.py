@@ -60,3 +60,12 @@ class FallbackWarning(UserWarning):
     ``strict=True`` (the ``-W`` command-line option cannot name a class of an installed
     package: Python resolves it before the package can be imported).
     """
+
+
+def arrived(value: object) -> str:
+    """What arrived, for a message: an array's or tensor's dtype and shape
+    (``torch.float32[3, 64]``), else the value's type name."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return type(value).__name__
+    return f"{dtype}{list(shape)}"

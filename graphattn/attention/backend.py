@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from graphattn.errors import BackendError
+from graphattn.errors import BackendError, arrived
 
 if TYPE_CHECKING:
     from graphattn.config import CompileConfig
@@ -358,14 +358,9 @@ def check_wrote_output(result: object, output: torch.Tensor, who: str) -> None:
         and result.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
     ):
         return
-    got = (
-        f"a new tensor {result.dtype}{list(result.shape)}"
-        if isinstance(result, torch.Tensor)
-        else type(result).__name__
-    )
+    got = ("a new tensor " if isinstance(result, torch.Tensor) else "") + arrived(result)
     raise BackendError(
-        f"{who} returned {got}, not the output it was given ({output.dtype}"
-        f"{list(output.shape)}): an impl writes its result into output in place and returns "
+        f"{who} returned {got}, not the output it was given ({arrived(output)}): an impl writes its result into output in place and returns "
         "output (or None, or a view of it); anything else it returns is dropped, so output "
         "would stay unwritten"
     )
