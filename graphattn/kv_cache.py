@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -168,9 +169,10 @@ class BlockAllocator:
         not_ints = [b for b in ids if not is_int(b)]
         if not_ints:
             raise InvalidInputError(f"block ids must be ints, got {not_ints[0]!r}")
-        outside = [b for b in ids if not 0 <= b < self.num_blocks]
-        not_allocated = [b for b in ids if b not in outside and not self._in_use[b]]
-        repeated = sorted({b for b in ids if ids.count(b) > 1}) if len(set(ids)) != len(ids) else []
+        counts = Counter(ids)
+        outside = [b for b in counts if not 0 <= b < self.num_blocks]
+        not_allocated = [b for b in counts if 0 <= b < self.num_blocks and not self._in_use[b]]
+        repeated = sorted(b for b, k in counts.items() if k > 1)
         if outside or not_allocated or repeated:
             why = [
                 f"{what} {found}"

@@ -360,7 +360,7 @@ def check_wrote_output(result: object, output: torch.Tensor, who: str) -> None:
         return
     got = ("a new tensor " if isinstance(result, torch.Tensor) else "") + arrived(result)
     raise BackendError(
-        f"{who} returned {got}, not the output it was given ({arrived(output)}): an impl writes its result into output in place and returns "
-        "output (or None, or a view of it); anything else it returns is dropped, so output "
-        "would stay unwritten"
+        f"{who} returned {got}, not the output it was given ({arrived(output)}): an impl "
+        "writes its result into output in place and returns output (or None, or a view of "
+        "it); anything else it returns is dropped, so output would stay unwritten"
     )
