@@ -11,6 +11,7 @@ from graphattn.capture.sizes import padding_table
 M = CUDAGraphMode
 ABOVE_LARGEST = "batch above the largest capture size"
 NO_DECODE_GRAPH = "decode batch without a full graph of its padded size"
+ONE_TOKEN_DECODES = "one-token decode batch; full decode graphs are for uniform_decode_query_len"
 
 
 class BatchDescriptor(NamedTuple):
@@ -113,7 +114,12 @@ class CudagraphDispatcher:
         key = BatchDescriptor(padded, min(padded, self.max_num_seqs), False)
         if key in self._full and num_reqs <= key.num_reqs:
             return Dispatch(M.FULL, key)
-        fallback = NO_DECODE_GRAPH if wanted == M.FULL else None
+        if wanted == M.FULL:
+            fallback = NO_DECODE_GRAPH
+        elif self.q > 1 and num_tokens == num_reqs and self.mode.decode_mode() == M.FULL:
+            fallback = f"{ONE_TOKEN_DECODES}={self.q} tokens a request"
+        else:
+            fallback = None
         if self.keys[M.PIECEWISE]:
             return Dispatch(M.PIECEWISE, BatchDescriptor(padded), fallback)
         return Dispatch(M.NONE, None, fallback)

@@ -40,10 +40,12 @@ class CaptureManager:
         max_num_tokens: int,
         device: torch.device,
         debug: bool = False,
+        uniform_decode_query_len: int = 1,
     ) -> None:
         self.mode = mode
+        q = uniform_decode_query_len
         if capture_sizes is None:
-            sizes, self.clipped = default_capture_sizes(max_num_seqs, max_num_tokens), []
+            sizes, self.clipped = default_capture_sizes(max_num_seqs, max_num_tokens, q), []
         else:
             sizes, self.clipped = clip_capture_sizes(capture_sizes, max_num_tokens)
         if self.clipped:
@@ -55,7 +57,7 @@ class CaptureManager:
         if not sizes and mode != M.NONE:
             logger.warning("no capture size is left: every batch runs without graphs")
             self.mode = mode = M.NONE
-        self.dispatcher = CudagraphDispatcher(mode, sizes, max_num_seqs)
+        self.dispatcher = CudagraphDispatcher(mode, sizes, max_num_seqs, q)
         self.decode_gap = describe_decode_gap(self.dispatcher)  # the engine warns with it
         self.state = CaptureState(device, debug=debug) if mode != M.NONE else None
         self.graphs_at_startup = 0  # graphs when capture closed (later ones break the rule)
@@ -109,6 +111,8 @@ class CaptureManager:
         }
         if self.clipped:
             info["clipped_sizes"] = self.clipped
+        if self.dispatcher.q > 1:  # what the uniform-decode graphs' batches look like
+            info["uniform_decode_query_len"] = self.dispatcher.q
         if self.decode_gap:
             info["decode_gap"] = self.decode_gap
         logger.info(

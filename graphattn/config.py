@@ -70,6 +70,12 @@ class CompileConfig:
     Compilation and graphs:
         cudagraph_mode: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE.
         cudagraph_capture_sizes: batch sizes (tokens) to capture; None takes the default list.
+        uniform_decode_query_len: the query tokens of every request in the batches that
+            full decode graphs serve: 1, or for speculative decoding 1 + the draft tokens a
+            verify step scores per request. Batches whose requests all have this many run the
+            decode mode's graphs (FULL under FULL_AND_PIECEWISE); the default capture sizes
+            become multiples of it. A backend below UNIFORM_BATCH support lowers a FULL
+            decode mode when it is above 1.
         compile_backend: "inductor", "eager" (trace and split, no Inductor) or "none" (no trace;
             passes, splitting_ops and compile_sizes set with it are still checked, and logged
             as unused).
@@ -103,6 +109,7 @@ class CompileConfig:
     attention_backend: str | None = None
     cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE
     cudagraph_capture_sizes: tuple[int, ...] | None = None
+    uniform_decode_query_len: int = 1
     compile_backend: str = "inductor"
     compile_sizes: tuple[int, ...] | None = None
     splitting_ops: tuple[str, ...] | None = None
@@ -114,12 +121,26 @@ class CompileConfig:
     debug: bool = field(default_factory=envs.debug)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_tokens", "max_model_len", "block_size", "num_blocks"):
+        for name in (
+            "max_num_seqs",
+            "max_num_tokens",
+            "max_model_len",
+            "block_size",
+            "num_blocks",
+            "uniform_decode_query_len",
+        ):
             value = getattr(self, name)
             if value is None and name == "max_model_len":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        q = self.uniform_decode_query_len
+        if q > self.max_num_tokens or (self.max_model_len is not None and q > self.max_model_len):
+            raise ConfigError(
+                f"uniform_decode_query_len={q} exceeds max_num_tokens={self.max_num_tokens}"
+                + (f" or max_model_len={self.max_model_len}" if self.max_model_len else "")
+                + ": not one request of a uniform decode batch would fit a step"
+            )
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         self._set("dtype", parse_dtype(self.dtype, "dtype"))
@@ -160,11 +181,12 @@ class CompileConfig:
                 self.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
                 and not self.has_decode_capture_size()
             ):
-                bound = min(self.max_num_seqs, self.max_num_tokens)
+                bound = min(self.max_num_seqs * q, self.max_num_tokens)
+                per = "" if q == 1 else f" that is a multiple of uniform_decode_query_len={q}"
                 raise ConfigError(
                     f"cudagraph_mode FULL_DECODE_ONLY captures graphs for decode batches only, "
                     f"of at most max_num_seqs={self.max_num_seqs} requests, and needs a capture "
-                    f"size <= {bound}; got cudagraph_capture_sizes={list(sizes)}"
+                    f"size <= {bound}{per}; got cudagraph_capture_sizes={list(sizes)}"
                 )
         if self.splitting_ops is not None:
             if isinstance(self.splitting_ops, str) or not all(
@@ -191,12 +213,13 @@ class CompileConfig:
         object.__setattr__(self, name, value)
 
     def has_decode_capture_size(self) -> bool:
-        """True when a decode batch can pad to a capture size: one <= max_num_seqs (and the
-        token limit). The default sizes always end at that bound.
+        """True when a uniform decode batch can pad to a capture size with a full decode
+        graph: a multiple of ``uniform_decode_query_len`` of at most ``max_num_seqs``
+        requests (and within the token limit). The default sizes always end at that bound.
         """
-        sizes = self.cudagraph_capture_sizes
-        bound = min(self.max_num_seqs, self.max_num_tokens)
-        return sizes is None or any(n <= bound for n in sizes)
+        sizes, q = self.cudagraph_capture_sizes, self.uniform_decode_query_len
+        bound = min(self.max_num_seqs * q, self.max_num_tokens)
+        return sizes is None or any(n <= bound and n % q == 0 for n in sizes)
 
     @property
     def max_blocks_per_seq(self) -> int:

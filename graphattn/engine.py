@@ -94,6 +94,7 @@ class CompiledModel:
             self._limits(),
             self.device,
             stats=self._stats,
+            uniform_decode_query_len=config.uniform_decode_query_len,
         )
         self.graphs = CaptureManager(
             self.resolved_mode,
@@ -102,6 +103,7 @@ class CompiledModel:
             max_num_tokens=config.max_num_tokens,
             device=self.device,
             debug=config.debug,
+            uniform_decode_query_len=config.uniform_decode_query_len,
         )
         if self.graphs.decode_gap:
             logger.warning("%s", self.graphs.decode_gap)
@@ -311,6 +313,7 @@ class CompiledModel:
             self.config.cudagraph_mode,
             attention_is_splitting_op=self._attention_is_split(),
             has_decode_size=self.config.has_decode_capture_size(),
+            uniform_decode_query_len=self.config.uniform_decode_query_len,
         )
         mode, records = resolve(
             weakest.cudagraph_support,

@@ -33,7 +33,7 @@ class StepPlan:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
-    uniform_decode: bool
+    uniform_decode: bool  # every request has the engine's uniform_decode_query_len tokens
     reordered: bool  # False when the caller's order already put decodes first
     num_input_tokens: int = 0  # padded token count the model runs on
     num_reqs_padded: int = 0  # padded request count the metadata covers
@@ -88,6 +88,7 @@ class ModelRunner:
         device: torch.device,
         planner: Planner = no_padding,
         stats: EngineStats | None = None,
+        uniform_decode_query_len: int = 1,
     ) -> None:
         self.forward = forward
         self.layers = layers
@@ -97,6 +98,9 @@ class ModelRunner:
         self.device = device
         self.planner = planner
         self.stats = stats if stats is not None else EngineStats()
+        # the query tokens of each request in the batches full decode graphs serve (1, or
+        # 1 + draft tokens for speculative decoding): what a plan's uniform_decode means
+        self.uniform_query_len = uniform_decode_query_len
         max_blocks = -(-limits.max_model_len // limits.block_size)
         ratios = [g.blocks_per_kernel_block for g in self.kv_cache_groups]
         self.buffers = InputBuffers(
@@ -214,7 +218,7 @@ class ModelRunner:
         np.add(slots, offset, out=slots)
         self._fill_block_tables(batch.block_table, r, -(-max_seq_len // block_size))
         b.is_prefilling_np[:r] = False
-        return StepPlan(r, r, 1, max_seq_len, True, False)
+        return StepPlan(r, r, 1, max_seq_len, self.uniform_query_len == 1, False)
 
     def _fill_mixed(self, batch: Batch, max_seq_len: int) -> StepPlan:
         order = self._decode_first_order(batch.query_lens)
@@ -245,14 +249,19 @@ class ModelRunner:
         self._fill_block_tables(table, r, -(-max_seq_len // block_size))
         np.greater(q, 1, out=b.is_prefilling_np[:r])
         max_query_len = int(q.max())
-        return StepPlan(r, t, max_query_len, max_seq_len, max_query_len == 1, order is not None)
+        uniform = max_query_len == self.uniform_query_len and t == max_query_len * r
+        return StepPlan(r, t, max_query_len, max_seq_len, uniform, order is not None)
 
     def common_metadata(self, plan: StepPlan) -> list[CommonAttentionMetadata]:
         """One ``CommonAttentionMetadata`` per KV-cache group, over the padded batch."""
         shared, tables = self._views(plan.num_reqs_padded, plan.num_input_tokens)
         mode, key = plan.metadata_as or (plan.runtime_mode, plan.batch_descriptor)
-        full = mode == CUDAGraphMode.FULL and key is not None
-        uniform_decode = key.uniform_decode if full else plan.uniform_decode
+        if mode == CUDAGraphMode.FULL and key is not None:  # the graph serves any batch of key
+            uniform_query_len = self.uniform_query_len if key.uniform_decode else None
+        elif plan.num_tokens == plan.max_query_len * plan.num_reqs:  # this batch alone
+            uniform_query_len = plan.max_query_len
+        else:
+            uniform_query_len = None
         # Under PIECEWISE the update op may sit in a captured piece while attention runs
         # eagerly: a choice between them made at capture would go stale at replay.
         fuse_kv_update = mode != CUDAGraphMode.PIECEWISE
@@ -271,7 +280,8 @@ class ModelRunner:
                 slot_mapping=shared["slot_mapping"],
                 positions=shared["positions"],
                 is_prefilling=shared["is_prefilling"],
-                uniform_decode=uniform_decode,
+                uniform_decode=uniform_query_len == 1,
+                uniform_query_len=uniform_query_len,
                 fuse_kv_update=fuse_kv_update,
             )
             for table in tables
@@ -449,8 +459,11 @@ class ModelRunner:
             self._copies_done.synchronize()
         tokens = key.num_tokens
         reqs = key.num_reqs if key.num_reqs is not None else min(tokens, self.limits.max_num_seqs)
-        q = np.ones(reqs, dtype=np.int32)
-        q[0] += tokens - reqs  # the first request takes the tokens beyond one each
+        if key.uniform_decode:  # uniform_decode_query_len tokens each, as its batches have
+            q = np.full(reqs, tokens // reqs, dtype=np.int32)
+        else:
+            q = np.ones(reqs, dtype=np.int32)
+            q[0] += tokens - reqs  # the first request takes the tokens beyond one each
         b = self.buffers
         b.query_start_loc.np[0] = 0
         np.cumsum(q, out=b.query_start_loc.np[1 : reqs + 1])
@@ -466,7 +479,7 @@ class ModelRunner:
             tokens,
             int(q.max()),
             int(q.max()),
-            bool(q.max() == 1),
+            bool((q == self.uniform_query_len).all()),
             False,
             tokens,
             reqs,
@@ -513,8 +526,12 @@ class ModelRunner:
             b.positions.np[t:tokens] = 0
             b.slot_mapping.np[t:tokens] = -1
         if reqs > r:
-            # padding request i owns padding token (t + i - r) while there are tokens left
-            starts = np.minimum(t + np.arange(1, reqs - r + 1), tokens)
+            # padding request i owns padding token (t + i - r) while there are tokens left;
+            # under a uniform decode key each owns uniform_query_len of them (the key's
+            # tokens are that many a request), so the padded batch is uniform too
+            key = plan.batch_descriptor
+            per = self.uniform_query_len if key is not None and key.uniform_decode else 1
+            starts = np.minimum(t + per * np.arange(1, reqs - r + 1), tokens)
             b.query_start_loc.np[r + 1 : reqs + 1] = starts
             b.seq_lens.np[r:reqs] = 0
             b.is_prefilling_np[r:reqs] = False

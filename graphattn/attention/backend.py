@@ -78,6 +78,10 @@ class CommonAttentionMetadata:
     # from this metadata will run for: a FULL graph's key fixes it (a graph captured for
     # mixed batches says False even when its capture batch happened to be all decodes).
     uniform_decode: bool = False
+    # Every request has this many query tokens, in the same sense (1 when uniform_decode;
+    # uniform_decode_query_len for a FULL graph of speculative-decoding verify batches,
+    # padding requests included); None when the requests' lengths differ or may differ.
+    uniform_query_len: int | None = None
     # A backend may move the step's KV-cache write from do_kv_cache_update into its
     # attention launch only when this is True: the update op and attention then run in one
     # CUDA graph (FULL) or both eagerly, so a choice made while capturing cannot go stale.

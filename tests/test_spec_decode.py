@@ -1,0 +1,245 @@
+"""Uniform decode batches of more than one token a request (speculative decoding's verify
+steps): the config, the capture sizes, dispatch, padding and metadata on the CPU; full
+graphs of such batches against an eager engine on CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from helpers import Seq, TableAttentionModel, make_seqs, prefill_prefixes, rel_err
+
+import graphattn as ga
+from graphattn.attention.backend import AttentionCGSupport
+from graphattn.capture.dispatcher import ONE_TOKEN_DECODES, BatchDescriptor, CudagraphDispatcher
+from graphattn.capture.resolve import resolve_for_engine
+from graphattn.capture.sizes import default_capture_sizes
+from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+
+M = ga.CUDAGraphMode
+
+
+# -- the config and the sizes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "3", None])
+def test_the_query_length_is_a_positive_int(bad):
+    with pytest.raises(ga.ConfigError, match=r"uniform_decode_query_len must be a positive int"):
+        ga.CompileConfig(uniform_decode_query_len=bad)
+
+
+def test_a_query_length_no_step_could_hold_is_refused():
+    with pytest.raises(
+        ga.ConfigError, match=r"uniform_decode_query_len=9 exceeds max_num_tokens=8"
+    ):
+        ga.CompileConfig(uniform_decode_query_len=9, max_num_tokens=8)
+    with pytest.raises(ga.ConfigError, match=r"or max_model_len=4"):
+        ga.CompileConfig(uniform_decode_query_len=5, max_model_len=4)
+    assert ga.CompileConfig(uniform_decode_query_len=8, max_num_tokens=8).max_num_tokens == 8
+
+
+def test_default_sizes_count_requests_times_the_query_length():
+    assert default_capture_sizes(8, 4096, 3) == [3, 6, 12, 24]
+    assert default_capture_sizes(8, 4096, 1) == default_capture_sizes(8, 4096) == [1, 2, 4, 8]
+    # the token limit bounds the requests: 250 // 4 = 62 of them, the last size 248
+    sizes = default_capture_sizes(100, 250, 4)
+    assert sizes[:4] == [4, 8, 16, 32] and sizes[-2:] == [224, 248]
+    assert all(s % 4 == 0 for s in sizes)
+    # every uniform batch of 1..bound requests pads to a size it fills with whole requests
+    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, sizes, 100, uniform_decode_query_len=4)
+    assert d.decode_gap() is None
+    assert all(d.dispatch(4 * n, n, True).mode == M.FULL for n in range(1, 63))
+
+
+def test_a_decode_only_mode_needs_a_size_of_whole_requests():
+    ok = ga.CompileConfig(
+        uniform_decode_query_len=3,
+        cudagraph_capture_sizes=[4, 6],
+        cudagraph_mode="FULL_DECODE_ONLY",
+    )
+    assert ok.has_decode_capture_size()
+    with pytest.raises(ga.ConfigError, match=r"needs a capture size <= 24 that is a multiple of"):
+        ga.CompileConfig(
+            max_num_seqs=8,
+            uniform_decode_query_len=3,
+            cudagraph_capture_sizes=[4, 8, 32],
+            cudagraph_mode="FULL_DECODE_ONLY",
+        )
+
+
+# -- dispatch and mode resolution ------------------------------------------------------------
+
+
+def test_uniform_batches_get_full_graphs_and_one_token_decodes_are_counted():
+    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [3, 6, 12, 24], 8, uniform_decode_query_len=3)
+    assert d.dispatch(6, 2, True) == (M.FULL, BatchDescriptor(6, 2, True), None)
+    assert d.dispatch(9, 3, True) == (M.FULL, BatchDescriptor(12, 4, True), None)  # one pad
+    mixed = d.dispatch(9, 4, False)
+    assert mixed == (M.PIECEWISE, BatchDescriptor(12), None)
+    single = d.dispatch(5, 5, False)  # five one-token decodes: not the graphs' batches
+    assert single.mode == M.PIECEWISE and single.fallback.startswith(ONE_TOKEN_DECODES)
+    assert "=3 tokens a request" in single.fallback
+    # FULL has graphs for any batch: one-token decodes take a mixed one and lose nothing
+    full = CudagraphDispatcher(M.FULL, [3, 6, 12, 24], 8, uniform_decode_query_len=3)
+    assert full.dispatch(5, 5, False) == (M.FULL, BatchDescriptor(6, 6, False), None)
+    assert full.dispatch(9, 3, True) == (M.FULL, BatchDescriptor(12, 4, True), None)
+
+
+@pytest.mark.parametrize(
+    "support, expected",
+    [
+        (AttentionCGSupport.ALWAYS, M.FULL_AND_PIECEWISE),
+        (AttentionCGSupport.UNIFORM_BATCH, M.FULL_AND_PIECEWISE),
+        (AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, M.PIECEWISE),
+    ],
+)
+def test_single_token_support_cannot_serve_verify_batches(support, expected):
+    mode, records = resolve_for_engine(
+        M.FULL_AND_PIECEWISE,
+        support,
+        has_cuda=True,
+        attention_is_splitting_op=True,
+        backend_name="B",
+        uniform_decode_query_len=4,
+    )
+    assert mode == expected
+    if expected == M.PIECEWISE:
+        assert "decode batches of 4 tokens per request need UNIFORM_BATCH" in str(records[0])
+
+
+# -- padding and metadata through the runner (TRITON under the interpreter) -----------------
+
+
+def _table_engine(model, q, backend="TRITON"):
+    return ga.compile(
+        model,
+        cudagraph_mode="NONE",
+        compile_backend="none",
+        block_size=16,
+        num_blocks=96,
+        max_model_len=256,
+        max_num_seqs=8,
+        attention_backend=backend,
+        uniform_decode_query_len=q,
+    )
+
+
+def _expected(model, seqs):
+    return torch.cat([model.expected(s.ids, len(s.ids) - s.num_computed) for s in seqs])
+
+
+def test_verify_batches_pad_with_whole_requests(monkeypatch):
+    """The dispatcher of a FULL_AND_PIECEWISE engine with uniform_decode_query_len=3 drives
+    the runner (on the CPU nothing is captured: a FULL step runs its padded batch eagerly).
+    A verify batch of 3 requests runs as the (12 tokens, 4 requests) key: the padding
+    request gets 3 tokens too, and the metadata says every request has 3; rows match
+    dense attention. Five one-token decodes are not such a batch: PIECEWISE, counted."""
+    model = TableAttentionModel(64, 8, 2, 64, seed=4)
+    engine = _table_engine(model, 3)
+    runner = engine.runner
+    dispatcher = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [3, 6, 12, 24], 8, 3)
+    runner.planner = dispatcher.dispatch
+    (group,) = engine.attn_groups
+    builder_cls = type(group.builder)
+    monkeypatch.setattr(builder_cls, "full_replay_needs_build", True)  # no graph to replay
+    cams = []
+    build = group.builder.build
+    group.builder.build = lambda p, cam: cams.append(cam) or build(p, cam)
+
+    seqs = make_seqs(np.random.default_rng(4), [(20, 3), (0, 3), (37, 3)], 64, 16, 96)
+    prefill_prefixes(engine, seqs)
+    out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+    assert rel_err(out, _expected(model, seqs)) < 1e-5
+    cam = cams[-1]
+    assert (cam.num_reqs, cam.num_input_tokens, cam.num_actual_tokens) == (4, 12, 9)
+    assert cam.uniform_query_len == 3 and not cam.uniform_decode
+    assert cam.query_start_loc_cpu.tolist() == [0, 3, 6, 9, 12]
+    assert cam.seq_lens_cpu[3] == 0 and cam.slot_mapping[9:].tolist() == [-1, -1, -1]
+    assert engine.stats.runtime_modes["FULL"] == 1
+
+    decodes = make_seqs(np.random.default_rng(5), [(9, 1)] * 5, 64, 16, 96)
+    prefill_prefixes(engine, decodes)
+    out = engine.step(ga.Batch.from_requests([s.request() for s in decodes]))
+    assert rel_err(out, _expected(model, decodes)) < 1e-5
+    assert cams[-1].uniform_query_len == 1 and cams[-1].uniform_decode  # this batch, eager
+    assert engine.stats.fallbacks[dispatcher.dispatch(5, 5, False).fallback] == 1
+
+
+def test_the_capture_batch_of_a_verify_key_is_uniform():
+    """What a capture records for a uniform key of 3 tokens a request: 3 each, not a long
+    first request and one-token rest (as a mixed key's synthetic batch has)."""
+    engine = _table_engine(TableAttentionModel(64, 8, 2, 64, seed=4), 3)
+    runner = engine.runner
+    plan = runner._synthetic_plan(M.FULL, BatchDescriptor(12, 4, True))
+    assert plan.uniform_decode and plan.max_query_len == 3
+    assert runner.buffers.query_start_loc.np[:5].tolist() == [0, 3, 6, 9, 12]
+    (cam,) = runner.common_metadata(plan)
+    assert cam.uniform_query_len == 3 and not cam.uniform_decode
+    mixed = runner._synthetic_plan(M.FULL, BatchDescriptor(12, 4, False))
+    assert not mixed.uniform_decode and mixed.max_query_len == 9
+    (cam,) = runner.common_metadata(mixed)
+    assert cam.uniform_query_len is None
+
+
+def test_uniform_single_token_decodes_keep_their_metadata_at_length_one():
+    """An engine of the default length: a FULL key of decodes says uniform_decode (TRITON
+    then writes keys and values inside its attention launch), as before."""
+    engine = _table_engine(TableAttentionModel(64, 8, 2, 64, seed=4), 1)
+    plan = engine.runner._synthetic_plan(M.FULL, BatchDescriptor(4, 4, True))
+    (cam,) = engine.runner.common_metadata(plan)
+    assert cam.uniform_decode and cam.uniform_query_len == 1
+
+
+# -- on CUDA: full graphs of verify batches ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def verify_engines(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    model = init_random_weights(LlamaForCausalLM(cfg), seed=3).to("cuda", torch.bfloat16)
+    limits = dict(max_num_seqs=16, max_num_tokens=256, max_model_len=256, num_blocks=256)
+    ref = ga.compile(copy.deepcopy(model), cudagraph_mode="NONE", compile_backend="none", **limits)
+    eng = ga.compile(
+        copy.deepcopy(model),
+        cudagraph_mode="FULL_AND_PIECEWISE",
+        uniform_decode_query_len=4,
+        cache_dir=str(tmp_path_factory.mktemp("spec-cache")),
+        debug=True,
+        **limits,
+    )
+    return ref, eng
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_reqs", [1, 3, 8, 16])
+def test_verify_steps_replay_full_graphs_and_match_eager(verify_engines, num_reqs):
+    ref, eng = verify_engines
+    assert eng.resolved_mode == M.FULL_AND_PIECEWISE
+    assert eng.report.capture["uniform_decode_query_len"] == 4
+    assert eng.report.capture["full_graphs"]["uniform decode"] == default_capture_sizes(16, 256, 4)
+    rng = np.random.default_rng(num_reqs)
+    blocks = rng.permutation(256).tolist()
+    seqs = []
+    for i in range(num_reqs):
+        computed = int(rng.integers(1, 200))
+        need = -(-(computed + 4) // 16)
+        ids = rng.integers(0, 512, computed + 4).tolist()
+        seqs.append(Seq(ids, computed, blocks[i * 16 : i * 16 + need]))
+    for e in (ref, eng):
+        prefill_prefixes(e, seqs)
+    before = eng.stats.runtime_modes["FULL"]
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    out_ref, out = ref.step(batch), eng.step(batch)
+    assert eng.stats.runtime_modes["FULL"] == before + 1
+    assert rel_err(out, out_ref) < 2e-2
+    assert eng.stats.recompiles == 0 and eng.stats.captures_after_startup == 0
