@@ -13,6 +13,7 @@ from graphattn.attention import (
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
+    MLAAttention,
     register_backend,
 )
 from graphattn.batch import Batch, Request
@@ -60,6 +61,7 @@ __all__ = [
     "GraphAttnError",
     "InvalidBatchError",
     "InvalidInputError",
+    "MLAAttention",
     "OutOfBlocksError",
     "RecompileError",
     "Report",

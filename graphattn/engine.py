@@ -36,7 +36,13 @@ from graphattn.errors import (
     arrived,
 )
 from graphattn.kernels import attention_plan, pdl, precompile, triton_import_error
-from graphattn.kv_cache import KVCache, KVCacheGroup, group_layers_by_spec
+from graphattn.kv_cache import (
+    FullAttentionSpec,
+    KVCache,
+    KVCacheGroup,
+    MLAAttentionSpec,
+    group_layers_by_spec,
+)
 from graphattn.model_contract import call_error, output_error
 from graphattn.report import EngineStats, GroupInfo, LayerInfo, Report
 from graphattn.runner import ModelRunner
@@ -275,7 +281,9 @@ class CompiledModel:
             backend = self.bound[name].backend
             args = (kernel_blocks, group.kernel_block_size, group.spec.num_kv_heads)
             shape = backend.get_kv_cache_shape(*args, group.spec.head_size)
-            return _checked_cache_shape(backend.get_name(), shape, (*args, group.spec.head_size))
+            return _checked_cache_shape(
+                backend.get_name(), shape, (*args, group.spec.head_size), group.spec
+            )
 
         kv_cache = KVCache(kv_groups, self.config.num_blocks, shape_of, self.device)
         for name, b in self.bound.items():
@@ -624,20 +632,27 @@ def find_attention_layers(model: nn.Module) -> dict[str, Attention]:
 
 
 def _checked_cache_shape(
-    backend: str, shape: object, args: tuple[int, int, int, int]
+    backend: str, shape: object, args: tuple[int, int, int, int], spec: FullAttentionSpec
 ) -> tuple[int, ...]:
     """A backend's ``get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)``,
-    which must hold a key and a value for every slot: 2 x the product of the arguments
-    elements, in whatever layout the backend reads."""
+    which must hold the spec's entries for every slot (a key and a value per KV head: 2 x
+    the product of the arguments; an MLA layer's one entry: the product), in whatever layout
+    the backend reads."""
     ints = isinstance(shape, (tuple, list, torch.Size)) and all(
         isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape
     )
-    expected = 2 * math.prod(args)
+    blocks, block_size = args[0], args[1]
+    expected = blocks * block_size * spec.elements_per_slot
     if not ints or math.prod(shape) != expected:
+        what = (
+            f"{' x '.join(map(str, args))} = {expected} elements (one entry per slot)"
+            if isinstance(spec, MLAAttentionSpec)
+            else f"2 x {' x '.join(map(str, args))} = {expected} elements (a key and a value "
+            "per slot)"
+        )
         raise BackendError(
             f"{backend}.get_kv_cache_shape{args} must be a shape of positive ints with "
-            f"2 x {' x '.join(map(str, args))} = {expected} elements (a key and a value per "
-            f"slot), got {shape!r}"
+            f"{what}, got {shape!r}"
         )
     return tuple(shape)
 

@@ -24,9 +24,14 @@ class FullAttentionSpec:
     dtype: torch.dtype
 
     @property
+    def elements_per_slot(self) -> int:
+        """Cache elements one token takes in one layer: a key and a value per KV head."""
+        return 2 * self.num_kv_heads * self.head_size
+
+    @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer, keys and values together."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        return self.block_size * self.elements_per_slot * self.dtype.itemsize
 
     def describe(self) -> str:
         return (
@@ -44,6 +49,25 @@ class SlidingWindowSpec(FullAttentionSpec):
         return (
             f"sliding(window={self.sliding_window}, kv_heads={self.num_kv_heads}, "
             f"head={self.head_size}, {_dtype_name(self.dtype)})"
+        )
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """An MLA layer (``ga.MLAAttention``): one entry per token shared by every head, the
+    compressed KV (``kv_lora_rank`` values, which are also the values attention sums) and
+    then the rotary key part; ``head_size`` is their sum and ``num_kv_heads`` is 1."""
+
+    kv_lora_rank: int = 0
+
+    @property
+    def elements_per_slot(self) -> int:
+        return self.head_size
+
+    def describe(self) -> str:
+        return (
+            f"mla(latent={self.kv_lora_rank}, rope={self.head_size - self.kv_lora_rank}, "
+            f"{_dtype_name(self.dtype)})"
         )
 
 

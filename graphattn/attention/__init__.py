@@ -1,4 +1,4 @@
-"""The attention contract, the ``Attention`` layer, its custom ops and backend selection."""
+"""The attention contract, the ``Attention`` and ``MLAAttention`` layers, its custom ops and backend selection."""
 
 from graphattn.attention.backend import (
     AttentionBackend,
@@ -14,7 +14,7 @@ from graphattn.attention.forward_context import (
     get_forward_context,
     set_forward_context,
 )
-from graphattn.attention.layer import Attention
+from graphattn.attention.layer import Attention, MLAAttention
 from graphattn.attention.registry import (
     candidates,
     get_backend,
@@ -32,6 +32,7 @@ __all__ = [
     "AttentionSelectorConfig",
     "CommonAttentionMetadata",
     "ForwardContext",
+    "MLAAttention",
     "candidates",
     "get_backend",
     "get_forward_context",

@@ -48,6 +48,7 @@ class AttentionSelectorConfig:
     device_type: str
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    use_mla: bool = False  # a ga.MLAAttention layer: only an MLA backend serves it
 
 
 @dataclass
@@ -284,9 +285,18 @@ class AttentionBackend(ABC):
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         """The layer's cache tensor shape; by default keys and values stacked:
-        ``(2, num_blocks, block_size, num_kv_heads, head_size)``.
+        ``(2, num_blocks, block_size, num_kv_heads, head_size)``. An MLA backend keeps one
+        entry per token (``num_blocks * block_size * head_size`` elements; num_kv_heads is 1).
         """
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        """Whether the backend serves ``ga.MLAAttention`` layers (and only those): its impl
+        gets the absorbed queries ``[T, H, kv_lora_rank + rope]``, the step's cache entries
+        as ``key`` ``[T, 1, kv_lora_rank + rope]`` and their first ``kv_lora_rank`` columns
+        as ``value``, and writes ``[T, H, kv_lora_rank]`` (docs/backends.md)."""
+        return False
 
     @classmethod
     def full_cls_name(cls) -> str:
@@ -333,6 +343,10 @@ class AttentionBackend(ABC):
     def validate_configuration(cls, cfg: AttentionSelectorConfig) -> list[str]:
         """Every reason this backend cannot serve ``cfg``; an empty list means it can."""
         reasons = []
+        if cfg.use_mla and not cls.is_mla():
+            reasons.append("an MLA layer (ga.MLAAttention) needs an MLA backend")
+        elif cls.is_mla() and not cfg.use_mla:
+            reasons.append("an MLA backend serves only ga.MLAAttention layers")
         if cfg.device_type not in cls.supported_devices:
             reasons.append(f"device {cfg.device_type} not in {list(cls.supported_devices)}")
         if not cls.supports_head_size(cfg.head_size):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -13,7 +14,7 @@ from graphattn.attention.backend import AttentionBackend, AttentionSelectorConfi
 from graphattn.attention.forward_context import get_forward_context
 from graphattn.attention.registry import Selection, get_backend, select_backend
 from graphattn.errors import ConfigError, InvalidInputError
-from graphattn.kv_cache import FullAttentionSpec, SlidingWindowSpec
+from graphattn.kv_cache import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 _DEFAULT_BLOCK_SIZE = 16
 
@@ -147,6 +148,10 @@ class Attention(nn.Module):
             raise InvalidInputError(
                 f"{self.layer_name}: query, key and value must be floating point, got {query.dtype}"
             )
+        self._check_call(t, "query, key and value")
+
+    def _check_call(self, t: int, what: str) -> None:
+        """The layer's first call this step, and for every token of it (``t``)."""
         ctx = get_forward_context()
         if ctx.called is None:
             ctx.called = set()
@@ -157,7 +162,7 @@ class Attention(nn.Module):
         expected = ctx.num_tokens if slots is None else slots.shape[0]
         if expected is not None and expected != t:
             raise InvalidInputError(
-                f"{self.layer_name}: got query, key and value for {t} tokens; the step has "
+                f"{self.layer_name}: got {what} for {t} tokens; the step has "
                 f"{expected} (the length of input_ids): attention takes every token"
             )
 
@@ -166,6 +171,131 @@ class Attention(nn.Module):
         return (
             f"{self.layer_name}: heads={self.num_heads}/{self.num_kv_heads}, "
             f"head_size={self.head_size}, backend={self.attn_backend.get_name()}{sw}"
+        )
+
+
+class MLAAttention(Attention):
+    """Multi-head latent attention (DeepSeek-V2's MLA) over the paged KV cache.
+
+    The cache keeps one entry per token for all heads: the normalized compressed KV
+    (``kv_lora_rank`` values) and the rotary key part (``qk_rope_head_dim``). Each head's key
+    and value come from the compressed KV through ``kv_b_proj`` (``[H * (qk_nope_head_dim +
+    v_head_dim), kv_lora_rank]``), so the layer folds that projection into the query and the
+    output instead of expanding the cache ("absorbed" MLA): per head,
+    ``q_nope @ W_UK`` gives a query in the compressed space, attention runs over the cache
+    entries as one shared KV head whose values are their first ``kv_lora_rank`` columns, and
+    ``@ W_UV.T`` maps its output back to ``v_head_dim``. The backend sees MQA with a query
+    and key of ``kv_lora_rank + qk_rope_head_dim`` and a value of ``kv_lora_rank``; only a
+    backend whose ``is_mla()`` is True serves it.
+
+    ``forward(query, kv_c_normed, k_pe, kv_b_proj_weight)``: the queries ``[T, H *
+    (qk_nope_head_dim + qk_rope_head_dim)]`` (nope part first, rotary part rotated), the
+    normalized compressed KV ``[T, kv_lora_rank]``, the rotated rotary key ``[T,
+    qk_rope_head_dim]`` and the model's ``kv_b_proj`` weight; returns ``[T, H * v_head_dim]``,
+    the rows o_proj takes. ``scale`` multiplies the scores (DeepSeek: ``(qk_nope_head_dim +
+    qk_rope_head_dim) ** -0.5``, times its YaRN factor where the model has one).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        prefix: str,
+        backend: str | None = None,
+    ) -> None:
+        for name, value in (
+            ("kv_lora_rank", kv_lora_rank),
+            ("qk_nope_head_dim", qk_nope_head_dim),
+            ("qk_rope_head_dim", qk_rope_head_dim),
+            ("v_head_dim", v_head_dim),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"qk_rope_head_dim must be even (rotary pairs), got {qk_rope_head_dim}"
+            )
+        # set before Attention.__init__, which selects a backend through selector_config
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        super().__init__(
+            num_heads, kv_lora_rank + qk_rope_head_dim, scale, 1, prefix=prefix, backend=backend
+        )
+
+    def selector_config(
+        self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, block_size: int, device_type: str
+    ) -> AttentionSelectorConfig:
+        cfg = super().selector_config(dtype, kv_cache_dtype, block_size, device_type)
+        return dataclasses.replace(cfg, use_mla=True)
+
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
+        return MLAAttentionSpec(block_size, 1, self.head_size, dtype, self.kv_lora_rank)
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_b_proj_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        t, h, rank = query.shape[0], self.num_heads, self.kv_lora_rank
+        nope, rope, v_dim = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        if not torch.compiler.is_compiling():
+            self._check_mla_inputs(query, kv_c_normed, k_pe, kv_b_proj_weight)
+        q_nope, q_pe = query.unflatten(1, (h, nope + rope)).split([nope, rope], dim=-1)
+        w = kv_b_proj_weight.unflatten(0, (h, nope + v_dim))  # [H, nope + v, rank]
+        w_uk, w_uv = w.split([nope, v_dim], dim=1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, rank + rope]
+        kv = torch.cat([kv_c_normed, k_pe.reshape(t, rope)], dim=-1).view(t, 1, rank + rope)
+        latent = kv[..., :rank]  # the values: the compressed KV, a view of the entries
+        output = query.new_empty(t, h, rank)
+        dep = torch.ops.graphattn.unified_kv_cache_update(kv, latent, self.layer_name)
+        torch.ops.graphattn.unified_attention_with_output(
+            q, kv, latent, output, self.layer_name, dep
+        )
+        out = torch.bmm(output.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        return out.transpose(0, 1).reshape(t, h * v_dim)
+
+    def _check_mla_inputs(self, query, kv_c_normed, k_pe, weight) -> None:
+        t, h, rank = query.shape[0], self.num_heads, self.kv_lora_rank
+        nope, rope, v_dim = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        for name, x, shape in (
+            ("query", query, [t, h * (nope + rope)]),
+            ("kv_c_normed", kv_c_normed, [t, rank]),
+            ("k_pe", k_pe, [t, rope]),
+            ("kv_b_proj_weight", weight, [h * (nope + v_dim), rank]),
+        ):
+            if (
+                not isinstance(x, torch.Tensor)
+                or x.numel() != math.prod(shape)
+                or (x.shape[0] != shape[0])
+            ):
+                got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InvalidInputError(f"{self.layer_name}: {name} must be {shape}, got {got}")
+            if x.dtype != query.dtype or x.device != query.device:
+                raise InvalidInputError(
+                    f"{self.layer_name}: {name} is {x.dtype} on {x.device}, query is "
+                    f"{query.dtype} on {query.device}; all four must match"
+                )
+        if not query.is_floating_point():
+            raise InvalidInputError(
+                f"{self.layer_name}: the inputs must be floating point, got {query.dtype}"
+            )
+        self._check_call(t, "MLA inputs")
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.layer_name}: heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, "
+            f"qk_nope={self.qk_nope_head_dim}, qk_rope={self.qk_rope_head_dim}, "
+            f"v={self.v_head_dim}, backend={self.attn_backend.get_name()}"
         )
 
 

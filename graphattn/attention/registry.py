@@ -188,7 +188,8 @@ class Selection:
 
 def select_backend(cfg: AttentionSelectorConfig, requested: str | None = None) -> Selection:
     """The backend for one layer: ``requested`` if named (its reasons are an error), else the
-    first candidate for the device whose ``validate_configuration`` is empty.
+    first candidate for the device whose ``validate_configuration`` is empty. Backends of the
+    other kind (MLA for a plain layer, plain for an MLA one) are not candidates at all.
     """
     if requested is not None:
         backend = get_backend(requested)
@@ -201,14 +202,16 @@ def select_backend(cfg: AttentionSelectorConfig, requested: str | None = None) -
         return Selection(backend, {}, explicit=True)
     rejected: dict[str, list[str]] = {}
     for backend in candidates(cfg.device_type):
+        if backend.is_mla() != cfg.use_mla:
+            continue
         reasons = _reasons(backend, cfg)
         if not reasons:
             return Selection(backend, rejected)
         rejected[backend.get_name()] = reasons
     listing = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in rejected.items()) or "  (none)"
+    kind = "MLA backends" if cfg.use_mla else "Candidates"
     raise BackendSelectionError(
-        f"no attention backend can serve {_describe(cfg)}. Candidates for "
-        f"{cfg.device_type}:\n{listing}"
+        f"no attention backend can serve {_describe(cfg)}. {kind} for {cfg.device_type}:\n{listing}"
     )
 
 
@@ -226,6 +229,7 @@ def _reasons(backend: type[AttentionBackend], cfg: AttentionSelectorConfig) -> l
 
 def _describe(cfg: AttentionSelectorConfig) -> str:
     extra = f", sliding_window={cfg.sliding_window}" if cfg.sliding_window else ""
+    extra += " (an MLA layer)" if cfg.use_mla else ""
     return (
         f"head_size={cfg.head_size}, heads={cfg.num_heads}/{cfg.num_kv_heads}, "
         f"dtype={cfg.dtype}, kv_cache_dtype={cfg.kv_cache_dtype}, "

@@ -119,7 +119,7 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | Non
 def _attend(
     q: torch.Tensor,  # [N, L, Hq, D]
     k: torch.Tensor,  # [N, S, Hkv, D]
-    v: torch.Tensor,  # [N, S, Hkv, D]
+    v: torch.Tensor,  # [N, S, Hkv, Dv]
     visible: torch.Tensor,  # [N, L, S] bool
     scale: float,
     soft_cap: float | None,
@@ -133,4 +133,4 @@ def _attend(
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing visible -> 0
     out = torch.einsum("nhgls,nshd->nlhgd", probs, v.float())
-    return out.reshape(n, length, num_heads, dim)
+    return out.reshape(n, length, num_heads, v.shape[-1])  # MLA: values narrower than keys

@@ -1,0 +1,286 @@
+"""Multi-head latent attention: ``ga.MLAAttention``, its cache spec, backend selection,
+TORCH_REF_MLA and the example MLA model, against a dense MLA written from the model's
+weights without the engine (keys and values expanded through kv_b_proj, no absorption,
+no paged cache).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from helpers import DEVICES, TableAttentionModel, make_seqs, prefill_prefixes, rel_err
+
+import graphattn as ga
+from graphattn.kv_cache import MLAAttentionSpec
+from graphattn.models import MLAConfig, MLAForCausalLM, init_random_weights
+from graphattn.models.llama import apply_rotary
+
+M = ga.CUDAGraphMode
+
+
+def _model(device="cpu", dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    model = init_random_weights(MLAForCausalLM(MLAConfig.tiny(**overrides)), seed=1, std=0.05)
+    return model.to(device, dtype)
+
+
+def _engine(model, **kw):
+    kw = {
+        "cudagraph_mode": "NONE",
+        "compile_backend": "none",
+        "num_blocks": 64,
+        "max_model_len": 256,
+        **kw,
+    }
+    return ga.compile(model, **kw)
+
+
+@torch.no_grad()
+def dense_mla(model: MLAForCausalLM, ids: list[int]) -> torch.Tensor:
+    """The model's hidden states for one whole sequence, attention computed the plain way:
+    every head's key and value expanded from the compressed KV through kv_b_proj, causal
+    softmax over the sequence, in float64."""
+    cfg = model.config
+    model = copy.deepcopy(model).double()
+    t, h = len(ids), cfg.num_attention_heads
+    nope, r, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    device = model.embed_tokens.weight.device
+    tokens = torch.tensor(ids, device=device)
+    positions = torch.arange(t, device=device)
+    x = model.embed_tokens(tokens)
+    rope = tuple(c.double() for c in model.rotary_emb(positions))
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    for layer in model.layers:
+        a = layer.self_attn
+        hidden = layer.input_layernorm(x)
+        q = a.queries(hidden).view(t, h, nope + r)
+        q_pe = apply_rotary(q[..., nope:].reshape(t, -1), rope, r).view(t, h, r)
+        kv_c, k_pe = a.kv_a_proj_with_mqa(hidden).split([cfg.kv_lora_rank, r], dim=-1)
+        k_pe = apply_rotary(k_pe.contiguous(), rope, r)
+        k_nope, value = (
+            a.kv_b_proj(a.kv_a_layernorm(kv_c))
+            .view(t, h, nope + v_dim)
+            .split([nope, v_dim], dim=-1)
+        )
+        query = torch.cat([q[..., :nope], q_pe], dim=-1)
+        key = torch.cat([k_nope, k_pe[:, None, :].expand(t, h, r)], dim=-1)
+        scores = torch.einsum("thd,shd->hts", query, key) * cfg.qk_head_dim**-0.5
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out = torch.einsum("hts,shd->thd", probs, value).reshape(t, h * v_dim)
+        x = x + a.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.norm(x)
+
+
+def _expected(model, seqs):
+    return torch.cat([dense_mla(model, s.ids)[s.num_computed :] for s in seqs])
+
+
+# -- the engine against the dense MLA ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batches_match_dense_mla(device):
+    """Prefills, a chunked prefill and decodes in one step, after their prefixes were cached
+    by earlier steps: the rows match the dense computation of each whole sequence."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = _model(device, dtype)
+    engine = _engine(model)
+    shape = [(0, 9), (21, 1), (40, 13), (17, 1), (0, 1)]
+    seqs = make_seqs(np.random.default_rng(1), shape, 512, 16, 64)
+    prefill_prefixes(engine, seqs)
+    out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+    expected = _expected(model, seqs)
+    assert out.shape == expected.shape
+    assert rel_err(out, expected) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_incremental_decoding_equals_one_prefill():
+    model = _model()
+    engine = _engine(model)
+    ids = np.random.default_rng(2).integers(0, 512, 30).tolist()
+    blocks = engine.kv_cache.allocate(2)
+    engine.step(ga.Batch.from_requests([ga.Request(ids[:24], 0, blocks)]))
+    for n in range(24, 30):
+        out = engine.step(ga.Batch.from_requests([ga.Request(ids[n : n + 1], n, blocks)]))
+    assert rel_err(out, dense_mla(model, ids)[-1:]) < 1e-5
+
+
+def test_generate_agrees_with_the_dense_model():
+    model = _model()
+    engine = _engine(model)
+    prompt = [5, 17, 200, 3]
+    (new,) = engine.generate([prompt], max_new_tokens=5)
+    ids = list(prompt)
+    for _ in range(5):
+        ids.append(int(model.compute_logits(dense_mla(model, ids)[-1:].float()).argmax()))
+    assert new == ids[len(prompt) :]
+
+
+def test_compiled_piecewise_matches_eager(tmp_path):
+    """Traced, split at the attention ops and compiled by Inductor: the pieces around the
+    absorbed projections give the eager engine's rows."""
+    model = _model()
+    eager = _engine(copy.deepcopy(model))
+    compiled = _engine(
+        copy.deepcopy(model), compile_backend="inductor", cache_dir=str(tmp_path), debug=True
+    )
+    assert compiled.report.compile["num_pieces"] == 2 * 2 + 1  # 2 layers: 2 attention + 3 compiled
+    seqs = make_seqs(np.random.default_rng(3), [(0, 7), (12, 1), (30, 4)], 512, 16, 64)
+    for e in (eager, compiled):
+        prefill_prefixes(e, seqs)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    assert rel_err(compiled.step(batch), eager.step(batch)) < 1e-5
+    assert compiled.stats.recompiles == 0
+
+
+# -- the layer, the cache and selection ------------------------------------------------------
+
+
+def test_the_cache_keeps_one_entry_per_token():
+    cfg = MLAConfig.tiny()
+    engine = _engine(_model())
+    (group,) = engine.attn_groups
+    spec = group.kv_cache_group.spec
+    entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert spec == MLAAttentionSpec(16, 1, entry, torch.float32, cfg.kv_lora_rank)
+    assert spec.page_size_bytes == 16 * entry * 4  # no second (value) tensor
+    assert spec.describe() == "mla(latent=64, rope=16, float32)"
+    for t in engine.kv_cache.tensors.values():
+        assert t.shape == (64, 16, entry)
+    assert engine.report.groups[0].backend == "TORCH_REF_MLA"
+    assert engine.report.groups[0].spec == spec.describe()
+
+
+def test_plain_and_mla_backends_serve_only_their_own_layers():
+    with pytest.raises(ga.BackendSelectionError, match="needs an MLA backend"):
+        _engine(_model(), attention_backend="TORCH_REF")
+    plain = TableAttentionModel(64, 4, 2, 64)
+    with pytest.raises(ga.BackendSelectionError, match=r"serves only ga\.MLAAttention layers"):
+        _engine(plain, attention_backend="TORCH_REF_MLA")
+    # automatic selection does not list the other kind as passed over
+    engine = _engine(plain)
+    assert all("TORCH_REF_MLA" not in x.passed_over for x in engine.report.layers)
+    assert _engine(_model()).report.layers[0].passed_over == {}
+
+
+def test_a_model_with_both_kinds_gets_a_cache_group_for_each():
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vocab_size = 512
+            self.mla = MLAForCausalLM(MLAConfig.tiny(num_hidden_layers=1))
+            self.plain = TableAttentionModel(512, 4, 2, 32)
+
+        def forward(self, input_ids, positions):
+            return torch.cat(
+                [self.mla(input_ids, positions), self.plain(input_ids, positions)], dim=-1
+            )
+
+    torch.manual_seed(0)
+    engine = _engine(init_random_weights(Both(), seed=4))
+    kinds = {g.backend.get_name(): g.kv_cache_group.spec.describe() for g in engine.attn_groups}
+    assert kinds == {
+        "TORCH_REF_MLA": "mla(latent=64, rope=16, float32)",
+        "TORCH_REF": "full(kv_heads=2, head=32, float32)",
+    }
+    out = engine.step(
+        ga.Batch.from_requests([ga.Request([1, 2, 3], 0, engine.kv_cache.allocate(1))])
+    )
+    assert out.shape == (3, 128 + 4 * 32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kv_lora_rank=0), "kv_lora_rank must be a positive int"),
+        (dict(v_head_dim=True), "v_head_dim must be a positive int"),
+        (dict(qk_rope_head_dim=15), "qk_rope_head_dim must be even"),
+        (dict(prefix=""), "prefix must name the layer"),
+        (dict(scale=float("nan")), "scale must be a finite number"),
+    ],
+)
+def test_bad_layer_arguments_are_config_errors(kwargs, message):
+    args = dict(
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        scale=0.1,
+        prefix="attn",
+    )
+    with pytest.raises(ga.ConfigError, match=message):
+        ga.MLAAttention(4, **{**args, **kwargs})
+
+
+def test_bad_inputs_are_refused_and_leave_the_cache_alone(monkeypatch):
+    """A model handing the layer a wrong shape or dtype gets an InvalidInputError naming
+    the input; nothing is written."""
+    from helpers import assert_unchanged, snapshot
+
+    model = _model()
+    engine = _engine(model)
+    blocks = engine.kv_cache.allocate(1)
+    engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, blocks)]))
+    attn = model.layers[0].self_attn.attn
+    forward = type(attn).forward
+    for bad, message in (
+        (lambda q, c, k, w: (q, c[:, :-1], k, w), r"kv_c_normed must be \[1, 64\], got \[1, 63\]"),
+        (lambda q, c, k, w: (q, c, k.double(), w), "k_pe is torch.float64"),
+        (lambda q, c, k, w: (q, c, k, w.t()[:10]), "kv_b_proj_weight must be"),
+    ):
+        monkeypatch.setattr(
+            type(attn), "forward", lambda self, *a, bad=bad: forward(self, *bad(*a))
+        )
+        snap = snapshot(engine)
+        with pytest.raises(ga.InvalidInputError, match=message):
+            engine.step(ga.Batch.from_requests([ga.Request([4], 3, blocks)]))
+        assert_unchanged(engine, snap)
+
+
+def test_off_cuda_the_report_says_a_full_mode_would_run_piecewise():
+    engine = _engine(_model(), cudagraph_mode="FULL_AND_PIECEWISE", compile_backend="eager")
+    assert engine.resolved_mode == M.NONE
+    assert "PIECEWISE" in engine.mode_on_cuda and "TORCH_REF_MLA" in engine.mode_on_cuda
+
+
+def test_debug_sees_the_first_step_write_every_mla_layer():
+    engine = _engine(_model(), debug=True)
+    out = engine.step(
+        ga.Batch.from_requests([ga.Request([1, 2, 3], 0, engine.kv_cache.allocate(1))])
+    )
+    assert out.shape == (3, 128)
+    assert not engine._check_kv_writes  # checked, and every layer changed
+
+
+# -- on CUDA -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_graph_modes_lower_to_piecewise_and_match_eager(tmp_path):
+    """TORCH_REF_MLA allows no full graphs: FULL_AND_PIECEWISE becomes PIECEWISE (reported),
+    and the piecewise graphs' steps match an eager engine on decodes and mixed batches."""
+    model = _model("cuda", torch.bfloat16)
+    ref = _engine(copy.deepcopy(model))
+    with pytest.warns(ga.FallbackWarning, match="TORCH_REF_MLA"):
+        eng = _engine(
+            copy.deepcopy(model),
+            cudagraph_mode="FULL_AND_PIECEWISE",
+            compile_backend="inductor",
+            cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+            cache_dir=str(tmp_path),
+            debug=True,
+        )
+    assert eng.resolved_mode == M.PIECEWISE
+    rng = np.random.default_rng(7)
+    for shape in ([(20, 1), (33, 1), (5, 1)], [(0, 6), (14, 1), (40, 3)], [(50, 1)] * 9):
+        seqs = make_seqs(rng, shape, 512, 16, 64)
+        for e in (ref, eng):
+            prefill_prefixes(e, seqs)
+        batch = ga.Batch.from_requests([s.request() for s in seqs])
+        assert rel_err(eng.step(batch), ref.step(batch)) < 2e-2
+    assert eng.stats.runtime_modes["PIECEWISE"] >= 3
+    assert eng.stats.recompiles == 0 and eng.stats.captures_after_startup == 0
