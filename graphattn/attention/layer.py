@@ -250,8 +250,7 @@ class MLAAttention(Attention):
         if not torch.compiler.is_compiling():
             self._check_mla_inputs(query, kv_c_normed, k_pe, kv_b_proj_weight)
         q_nope, q_pe = query.unflatten(1, (h, nope + rope)).split([nope, rope], dim=-1)
-        w = kv_b_proj_weight.unflatten(0, (h, nope + v_dim))  # [H, nope + v, rank]
-        w_uk, w_uv = w.split([nope, v_dim], dim=1)
+        w_uk = kv_b_proj_weight.unflatten(0, (h, nope + v_dim))[:, :nope]  # [H, nope, rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, rank + rope]
         kv = torch.cat([kv_c_normed, k_pe.reshape(t, rope)], dim=-1).view(t, 1, rank + rope)
@@ -261,6 +260,9 @@ class MLAAttention(Attention):
         torch.ops.graphattn.unified_attention_with_output(
             q, kv, latent, output, self.layer_name, dep
         )
+        # sliced from the weight here, after the op: the piece after the split then reads
+        # the parameter itself, not a view the piece before made
+        w_uv = kv_b_proj_weight.unflatten(0, (h, nope + v_dim))[:, nope:]  # [H, v, rank]
         out = torch.bmm(output.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         return out.transpose(0, 1).reshape(t, h * v_dim)
 
