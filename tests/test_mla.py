@@ -129,6 +129,8 @@ def test_compiled_piecewise_matches_eager(tmp_path):
         copy.deepcopy(model), compile_backend="inductor", cache_dir=str(tmp_path), debug=True
     )
     assert compiled.report.compile["num_pieces"] == 2 * 2 + 1  # 2 layers: 2 attention + 3 compiled
+    # each piece reads kv_b_proj's weight itself (no view of it crosses the split)
+    assert not [n for n in compiled.report.compile["not_weights"] if "kv_b_proj" in n]
     seqs = make_seqs(np.random.default_rng(3), [(0, 7), (12, 1), (30, 4)], 512, 16, 64)
     for e in (eager, compiled):
         prefill_prefixes(e, seqs)
