@@ -89,7 +89,14 @@ def trace_model(
     # mark_dynamic is honoured under every torch this supports; one trace, no recompiles
     traced = torch.compile(entry, backend=keep_graph, fullgraph=True)
     try:
-        with _bytecode_hook(bytecode_hook):
+        # automatic dynamic off: Dynamo remembers values per code location across traces, so
+        # a second model in the process whose float attributes differ from the first's (an
+        # RMSNorm eps at the same module path) would have them traced as dynamic inputs,
+        # which the passes do not match and Inductor may refuse
+        with (
+            _bytecode_hook(bytecode_hook),
+            torch._dynamo.config.patch(automatic_dynamic_shapes=False),
+        ):
             output = traced(model, input_ids, positions)
     except torch._dynamo.exc.InternalTorchDynamoError:
         raise  # Dynamo's own failure, not the model's

@@ -143,6 +143,33 @@ def _traced_split(num_layers: int):
     return split_graph(trace.graph_module, resolve_splitting_ops(TOY_OPS))
 
 
+class FloatAttribute(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.scale = scale  # as RMSNorm's eps: a float attribute at a fixed module path
+
+    def forward(self, input_ids, positions):
+        return self.emb(input_ids) * self.scale + positions[:, None]
+
+
+def test_a_later_model_traces_its_float_attributes_as_constants():
+    """Dynamo remembers the values it saw per code location across traces (automatic
+    dynamic). A second model in the process whose float attribute differs (an MLA model's
+    eps of 1e-6, then a Llama's 1e-5) had it traced as a dynamic float input, which the
+    GEMV passes did not match and Inductor could refuse (TensorifyScalarRestartAnalysis)."""
+    for scale in (0.5, 0.25, 0.125):
+        with torch.inference_mode():
+            trace = trace_model(FloatAttribute(scale), *_inputs(5))
+        floats = [
+            n.name
+            for n in trace.graph_module.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.SymFloat)
+        ]
+        assert floats == [], scale
+        assert scale in [a for n in trace.graph_module.graph.nodes for a in n.args]
+
+
 @pytest.mark.parametrize("num_layers", [1, 2, 3])
 def test_split_yields_two_pieces_per_layer_plus_one(num_layers):
     # Each layer's two consecutive toy ops share one splitting piece (L of them); the code
