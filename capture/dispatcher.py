@@ -67,6 +67,10 @@ class CudagraphDispatcher:
             if mode.has_piecewise_cudagraphs():
                 self.keys[M.PIECEWISE].append(BatchDescriptor(size))
         self._full = set(self.keys[M.FULL])
+        # uniform decode batches pad to the smallest size with a uniform-decode graph, not
+        # to the next size of any kind: with q > 1 a size that is no multiple of q has none
+        uniform = [k.num_tokens for k in self.keys[M.FULL] if k.uniform_decode]
+        self.pad_uniform = padding_table(uniform) if uniform else []
         self._memo: dict[tuple[int, int, bool], Dispatch] = {}  # a decode loop repeats a few
 
     @property
@@ -77,9 +81,10 @@ class CudagraphDispatcher:
         """The decode batch sizes (tokens, first and last) that pad to a size with no full
         graph, under a mode that runs decodes FULL and mixed batches otherwise; None if none.
 
-        Uniform-decode graphs exist only for sizes up to ``max_num_seqs`` requests; a decode
-        batch that pads to a larger size (a user's list that skips from below the limit to
-        above it) gets what mixed batches get.
+        Uniform-decode graphs exist only for sizes of at most ``max_num_seqs`` requests (and,
+        with ``uniform_decode_query_len`` q > 1, multiples of q); a decode batch larger than
+        every such size (a user's list that skips from below the limit to above it) gets
+        what mixed batches get.
         """
         if self.mode.decode_mode() != M.FULL or self.mode.mixed_mode() == M.FULL:
             return None
@@ -106,11 +111,10 @@ class CudagraphDispatcher:
         wanted = self.mode.decode_mode() if uniform_decode else self.mode.mixed_mode()
         if num_tokens > self.max_size:  # mixed batches under FULL_DECODE_ONLY lose nothing
             return Dispatch(M.NONE, None, ABOVE_LARGEST if wanted != M.NONE else None)
+        if uniform_decode and num_tokens < len(self.pad_uniform):
+            size = self.pad_uniform[num_tokens]
+            return Dispatch(M.FULL, BatchDescriptor(size, size // self.q, True))
         padded = self.pad_to[num_tokens]
-        if uniform_decode and padded % self.q == 0:
-            key = BatchDescriptor(padded, padded // self.q, True)
-            if key in self._full:
-                return Dispatch(M.FULL, key)
         key = BatchDescriptor(padded, min(padded, self.max_num_seqs), False)
         if key in self._full and num_reqs <= key.num_reqs:
             return Dispatch(M.FULL, key)

@@ -175,7 +175,11 @@ def resolve_for_engine(
     )
     records += more
     if mode == M.FULL_DECODE_ONLY and not has_decode_size:
-        rule = "full decode graphs need a capture size <= max_num_seqs"
+        rule = "full decode graphs need a capture size <= max_num_seqs" + (
+            ""
+            if uniform_decode_query_len == 1
+            else f" x {uniform_decode_query_len} that is a multiple of uniform_decode_query_len"
+        )
         cost = "every batch runs without graphs"
         records.append(
             FallbackRecord(

@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 import torch
 from helpers import Seq, TableAttentionModel, make_seqs, prefill_prefixes, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import graphattn as ga
 from graphattn.attention.backend import AttentionCGSupport
 from graphattn.capture.dispatcher import ONE_TOKEN_DECODES, BatchDescriptor, CudagraphDispatcher
+from graphattn.capture.manager import describe_decode_gap
 from graphattn.capture.resolve import resolve_for_engine
 from graphattn.capture.sizes import default_capture_sizes
 from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
@@ -61,6 +64,10 @@ def test_a_decode_only_mode_needs_a_size_of_whole_requests():
         cudagraph_mode="FULL_DECODE_ONLY",
     )
     assert ok.has_decode_capture_size()
+    # a verify batch of one request (3 tokens) pads past 4, which has no uniform graph, to 6
+    d = CudagraphDispatcher(M.FULL_DECODE_ONLY, [4, 6], 8, uniform_decode_query_len=3)
+    assert d.dispatch(3, 1, True) == (M.FULL, BatchDescriptor(6, 2, True), None)
+    assert d.decode_gap() is None
     with pytest.raises(ga.ConfigError, match=r"needs a capture size <= 24 that is a multiple of"):
         ga.CompileConfig(
             max_num_seqs=8,
@@ -86,6 +93,60 @@ def test_uniform_batches_get_full_graphs_and_one_token_decodes_are_counted():
     full = CudagraphDispatcher(M.FULL, [3, 6, 12, 24], 8, uniform_decode_query_len=3)
     assert full.dispatch(5, 5, False) == (M.FULL, BatchDescriptor(6, 6, False), None)
     assert full.dispatch(9, 3, True) == (M.FULL, BatchDescriptor(12, 4, True), None)
+
+
+def test_verify_batches_pad_to_a_size_of_whole_requests():
+    """User sizes that are not all multiples of the length: a uniform batch skips them for
+    the next size that has a uniform graph; mixed batches still pad to the next size."""
+    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [4, 6, 8, 12], 8, uniform_decode_query_len=3)
+    assert d.dispatch(3, 1, True) == (M.FULL, BatchDescriptor(6, 2, True), None)
+    assert d.dispatch(9, 3, True) == (M.FULL, BatchDescriptor(12, 4, True), None)
+    assert d.dispatch(3, 2, False) == (M.PIECEWISE, BatchDescriptor(4), None)
+    assert d.decode_gap() is None
+    # sizes of which none holds 4 requests of 3: the warning names multiples of the length
+    gap = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [3, 6, 8, 16], 8, uniform_decode_query_len=3)
+    assert gap.decode_gap() == (9, 15)
+    text = describe_decode_gap(gap)
+    assert "multiples of uniform_decode_query_len=3" in text and "capture size of 15" in text
+    fixed = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [3, 6, 8, 15, 16], 8, 3)
+    assert fixed.decode_gap() is None
+
+
+def test_one_token_decodes_under_full_decode_only_run_without_graphs():
+    d = CudagraphDispatcher(M.FULL_DECODE_ONLY, [4, 8], 8, uniform_decode_query_len=4)
+    out = d.dispatch(3, 3, False)
+    assert out.mode == M.NONE and out.fallback.startswith(ONE_TOKEN_DECODES)
+    assert d.dispatch(6, 2, False) == (M.NONE, None, None)  # a mixed batch: by design
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    q=st.integers(1, 5),
+    max_num_seqs=st.integers(1, 40),
+    sizes=st.lists(st.integers(1, 120), min_size=1, max_size=8),
+    mode=st.sampled_from([M.FULL, M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY]),
+    data=st.data(),
+)
+def test_dispatch_never_pads_a_batch_into_fewer_requests_or_tokens(
+    q, max_num_seqs, sizes, mode, data
+):
+    """Any sizes, length and limit: a FULL key holds the batch's tokens and requests, a
+    uniform key is exactly q tokens a request, and a uniform batch that some uniform graph
+    can hold gets one."""
+    d = CudagraphDispatcher(mode, sizes, max_num_seqs, uniform_decode_query_len=q)
+    reqs = data.draw(st.integers(1, max_num_seqs))
+    uniform = data.draw(st.booleans())
+    tokens = reqs * q if uniform else data.draw(st.integers(reqs, reqs * 6))
+    out = d.dispatch(tokens, reqs, uniform)
+    if out.mode == M.FULL:
+        key = out.descriptor
+        assert key.num_tokens >= tokens and key.num_reqs >= reqs
+        assert key.uniform_decode <= uniform
+        if key.uniform_decode:
+            assert key.num_tokens == q * key.num_reqs
+    holders = [k for k in d.keys[M.FULL] if k.uniform_decode and k.num_tokens >= tokens]
+    if uniform and holders:
+        assert out.mode == M.FULL and out.descriptor == min(holders)
 
 
 @pytest.mark.parametrize(
@@ -191,6 +252,20 @@ def test_uniform_single_token_decodes_keep_their_metadata_at_length_one():
     plan = engine.runner._synthetic_plan(M.FULL, BatchDescriptor(4, 4, True))
     (cam,) = engine.runner.common_metadata(plan)
     assert cam.uniform_decode and cam.uniform_query_len == 1
+
+
+def test_a_decode_only_mode_without_a_size_of_whole_requests_says_why():
+    mode, records = resolve_for_engine(
+        M.FULL_AND_PIECEWISE,
+        AttentionCGSupport.ALWAYS,
+        has_cuda=True,
+        attention_is_splitting_op=False,  # no split: FULL_DECODE_ONLY, then nothing to capture
+        backend_name="B",
+        uniform_decode_query_len=3,
+        has_decode_size=False,
+    )
+    assert mode == M.NONE
+    assert "<= max_num_seqs x 3 that is a multiple of uniform_decode_query_len" in str(records[-1])
 
 
 # -- on CUDA: full graphs of verify batches ------------------------------------------------
