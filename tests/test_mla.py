@@ -14,6 +14,7 @@ import torch
 from helpers import DEVICES, TableAttentionModel, make_seqs, prefill_prefixes, rel_err
 
 import graphattn as ga
+from graphattn.attention.backends.mla import TorchRefMLABackend
 from graphattn.kv_cache import MLAAttentionSpec
 from graphattn.models import MLAConfig, MLAForCausalLM, init_random_weights
 from graphattn.models.llama import apply_rotary
@@ -82,12 +83,20 @@ def _expected(model, seqs):
 # -- the engine against the dense MLA ---------------------------------------------------------
 
 
+SHAPES = {
+    "tiny": {},
+    # no low-rank queries; every head size different, so a swapped slice cannot pass
+    "q_proj": dict(q_lora_rank=None, kv_lora_rank=48, qk_nope_head_dim=24, v_head_dim=40),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_mixed_batches_match_dense_mla(device):
+def test_mixed_batches_match_dense_mla(device, shape):
     """Prefills, a chunked prefill and decodes in one step, after their prefixes were cached
     by earlier steps: the rows match the dense computation of each whole sequence."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = _model(device, dtype)
+    model = _model(device, dtype, **SHAPES[shape])
     engine = _engine(model)
     shape = [(0, 9), (21, 1), (40, 13), (17, 1), (0, 1)]
     seqs = make_seqs(np.random.default_rng(1), shape, 512, 16, 64)
@@ -96,6 +105,18 @@ def test_mixed_batches_match_dense_mla(device):
     expected = _expected(model, seqs)
     assert out.shape == expected.shape
     assert rel_err(out, expected) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_bf16_on_the_cpu_matches_dense_mla():
+    """The cache, the absorbed projections and the reference kernel in bf16 (the GPU's
+    dtype), against the float64 dense MLA of the same bf16 weights."""
+    model = _model(dtype=torch.bfloat16)
+    engine = _engine(model)
+    seqs = make_seqs(np.random.default_rng(6), [(0, 11), (19, 1), (25, 5)], 512, 16, 64)
+    prefill_prefixes(engine, seqs)
+    out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, _expected(model, seqs)) < 3e-2
 
 
 def test_incremental_decoding_equals_one_prefill():
@@ -157,16 +178,39 @@ def test_the_cache_keeps_one_entry_per_token():
     assert engine.report.groups[0].spec == spec.describe()
 
 
-def test_plain_and_mla_backends_serve_only_their_own_layers():
-    with pytest.raises(ga.BackendSelectionError, match="needs an MLA backend"):
+class LooseMLABackend(TorchRefMLABackend):
+    """An MLA backend ranked first on the CPU whose validate_configuration forgets the base
+    class's checks (so it would accept any layer)."""
+
+    @staticmethod
+    def get_name():
+        return "LOOSE_MLA"
+
+    @classmethod
+    def validate_configuration(cls, cfg):
+        return []
+
+
+@pytest.fixture
+def loose_mla():
+    ga.register_backend(LooseMLABackend, {"cpu": 1000}, replace=True)
+    yield LooseMLABackend
+    ga.register_backend(LooseMLABackend, {}, replace=True)  # off every device again
+
+
+def test_plain_and_mla_backends_serve_only_their_own_layers(loose_mla):
+    with pytest.raises(ga.BackendSelectionError, match="not an MLA backend"):
         _engine(_model(), attention_backend="TORCH_REF")
     plain = TableAttentionModel(64, 4, 2, 64)
-    with pytest.raises(ga.BackendSelectionError, match=r"serves only ga\.MLAAttention layers"):
-        _engine(plain, attention_backend="TORCH_REF_MLA")
-    # automatic selection does not list the other kind as passed over
+    for name in ("TORCH_REF_MLA", "LOOSE_MLA"):  # the kind is checked before its reasons
+        with pytest.raises(ga.BackendSelectionError, match=r"serves only ga\.MLAAttention"):
+            _engine(plain, attention_backend=name)
+    # automatic selection: a plain layer skips the first-ranked MLA backend without listing
+    # it as passed over; an MLA layer takes it
     engine = _engine(plain)
-    assert all("TORCH_REF_MLA" not in x.passed_over for x in engine.report.layers)
-    assert _engine(_model()).report.layers[0].passed_over == {}
+    assert engine.report.layers[0].backend == "TORCH_REF"
+    assert engine.report.layers[0].passed_over == {}
+    assert _engine(_model()).report.layers[0].backend == "LOOSE_MLA"
 
 
 def test_a_model_with_both_kinds_gets_a_cache_group_for_each():
@@ -230,7 +274,10 @@ def test_bad_inputs_are_refused_and_leave_the_cache_alone(monkeypatch):
     attn = model.layers[0].self_attn.attn
     forward = type(attn).forward
     for bad, message in (
-        (lambda q, c, k, w: (q, c[:, :-1], k, w), r"kv_c_normed must be \[1, 64\], got \[1, 63\]"),
+        (
+            lambda q, c, k, w: (q, c[:, :-1], k, w),
+            r"kv_c_normed must be \[1, 64\] or \[1, 1, 64\], got \[1, 63\]",
+        ),
         (lambda q, c, k, w: (q, c, k.double(), w), "k_pe is torch.float64"),
         (lambda q, c, k, w: (q, c, k, w.t()[:10]), "kv_b_proj_weight must be"),
     ):
@@ -241,6 +288,27 @@ def test_bad_inputs_are_refused_and_leave_the_cache_alone(monkeypatch):
         with pytest.raises(ga.InvalidInputError, match=message):
             engine.step(ga.Batch.from_requests([ga.Request([4], 3, blocks)]))
         assert_unchanged(engine, snap)
+
+
+def test_the_other_layouts_of_the_inputs_are_accepted(monkeypatch):
+    """vLLM's layouts: the query as [T, H, nope + rope], the compressed KV and the rotary key
+    with a head axis of 1; the rows are the same."""
+    model = _model()
+    engine = _engine(copy.deepcopy(model))
+    reshaped = _engine(model)
+    cfg = model.config
+    h, d = cfg.num_attention_heads, cfg.qk_head_dim
+
+    forward = ga.MLAAttention.forward
+
+    def three_d(self, q, c, k, w):
+        t = q.shape[0]
+        return forward(self, q.reshape(t, h, d), c[:, None], k[:, None], w)
+
+    batch = ga.Batch.from_requests([ga.Request([5, 6, 7, 8], 0, [0])])
+    want = engine.step(batch)
+    monkeypatch.setattr(ga.MLAAttention, "forward", three_d)
+    assert torch.equal(reshaped.step(batch), want)
 
 
 def test_off_cuda_the_report_says_a_full_mode_would_run_piecewise():

@@ -245,15 +245,16 @@ class MLAAttention(Attention):
         k_pe: torch.Tensor,
         kv_b_proj_weight: torch.Tensor,
     ) -> torch.Tensor:
-        t, h, rank = query.shape[0], self.num_heads, self.kv_lora_rank
-        nope, rope, v_dim = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         if not torch.compiler.is_compiling():
             self._check_mla_inputs(query, kv_c_normed, k_pe, kv_b_proj_weight)
-        q_nope, q_pe = query.unflatten(1, (h, nope + rope)).split([nope, rope], dim=-1)
+        t, h, rank = query.shape[0], self.num_heads, self.kv_lora_rank
+        nope, rope, v_dim = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        q_nope, q_pe = query.reshape(t, h, nope + rope).split([nope, rope], dim=-1)
         w_uk = kv_b_proj_weight.unflatten(0, (h, nope + v_dim))[:, :nope]  # [H, nope, rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, rank + rope]
-        kv = torch.cat([kv_c_normed, k_pe.reshape(t, rope)], dim=-1).view(t, 1, rank + rope)
+        kv = torch.cat([kv_c_normed.reshape(t, rank), k_pe.reshape(t, rope)], dim=-1)
+        kv = kv.view(t, 1, rank + rope)
         latent = kv[..., :rank]  # the values: the compressed KV, a view of the entries
         output = query.new_empty(t, h, rank)
         dep = torch.ops.graphattn.unified_kv_cache_update(kv, latent, self.layer_name)
@@ -267,21 +268,21 @@ class MLAAttention(Attention):
         return out.transpose(0, 1).reshape(t, h * v_dim)
 
     def _check_mla_inputs(self, query, kv_c_normed, k_pe, weight) -> None:
-        t, h, rank = query.shape[0], self.num_heads, self.kv_lora_rank
+        """Each input a tensor of one of its layouts, of the query's dtype and device."""
+        h, rank = self.num_heads, self.kv_lora_rank
         nope, rope, v_dim = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        for name, x, shape in (
-            ("query", query, [t, h * (nope + rope)]),
-            ("kv_c_normed", kv_c_normed, [t, rank]),
-            ("k_pe", k_pe, [t, rope]),
-            ("kv_b_proj_weight", weight, [h * (nope + v_dim), rank]),
+        t = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() > 0 else "T"
+        for name, x, layouts in (
+            ("query", query, ([t, h * (nope + rope)], [t, h, nope + rope])),
+            ("kv_c_normed", kv_c_normed, ([t, rank], [t, 1, rank])),
+            ("k_pe", k_pe, ([t, rope], [t, 1, rope])),
+            ("kv_b_proj_weight", weight, ([h * (nope + v_dim), rank],)),
         ):
-            if (
-                not isinstance(x, torch.Tensor)
-                or x.numel() != math.prod(shape)
-                or (x.shape[0] != shape[0])
-            ):
+            if not isinstance(x, torch.Tensor) or list(x.shape) not in layouts:
                 got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise InvalidInputError(f"{self.layer_name}: {name} must be {shape}, got {got}")
+                raise InvalidInputError(
+                    f"{self.layer_name}: {name} must be {' or '.join(map(str, layouts))}, got {got}"
+                )
             if x.dtype != query.dtype or x.device != query.device:
                 raise InvalidInputError(
                     f"{self.layer_name}: {name} is {x.dtype} on {x.device}, query is "

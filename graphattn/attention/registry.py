@@ -193,6 +193,17 @@ def select_backend(cfg: AttentionSelectorConfig, requested: str | None = None) -
     """
     if requested is not None:
         backend = get_backend(requested)
+        if backend.is_mla() != cfg.use_mla:  # whatever its validate_configuration says
+            raise BackendSelectionError(
+                f"attention backend {backend.get_name()} was requested for {_describe(cfg)}, "
+                + (
+                    "but it is not an MLA backend (is_mla() is False); an MLA layer needs one"
+                    if cfg.use_mla
+                    else "but it is an MLA backend, which serves only ga.MLAAttention layers"
+                )
+                + "; a model with both kinds of layer names its backends per layer "
+                "(backend=...), not with attention_backend"
+            )
         reasons = _reasons(backend, cfg)
         if reasons:
             raise BackendSelectionError(
