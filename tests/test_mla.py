@@ -160,6 +160,37 @@ def test_compiled_piecewise_matches_eager(tmp_path):
     assert compiled.stats.recompiles == 0
 
 
+def test_the_one_token_build_with_the_gemv_passes_matches_eager(tmp_path, monkeypatch):
+    """bf16 with a one-token build: the GEMV passes (as on CUDA; here through the Triton
+    interpreter) rewrite the MLA model's linears and norms; a decode step's rows match the
+    eager engine's. Guards the passes' patterns against the MLA graph (low-rank queries
+    with their norm, the compressed KV's norm on a slice, the batched projections)."""
+    from graphattn.kernels import prologue_gemv as prologue_kernels
+    from graphattn.passes import single_row_gemv
+
+    monkeypatch.setattr(single_row_gemv, "GEMV_DEVICES", ("cuda", "cpu"))
+    model = _model(dtype=torch.bfloat16, num_hidden_layers=1)
+    eager = _engine(copy.deepcopy(model))
+    compiled = _engine(
+        copy.deepcopy(model),
+        compile_backend="inductor",
+        compile_sizes=(1,),
+        cache_dir=str(tmp_path),
+        max_num_tokens=64,
+    )
+    calls = []
+    real = prologue_kernels.rms_norm_gemv
+    monkeypatch.setattr(
+        prologue_kernels, "rms_norm_gemv", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    seqs = make_seqs(np.random.default_rng(8), [(13, 1)], 512, 16, 64)
+    for e in (eager, compiled):
+        prefill_prefixes(e, seqs)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    assert rel_err(compiled.step(batch), eager.step(batch)) < 2e-2
+    assert calls  # the one-token build ran the folded norm + GEMV kernels
+
+
 # -- the layer, the cache and selection ------------------------------------------------------
 
 
