@@ -196,10 +196,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # (cfg, prefix) -> the attention block (graphattn.models.mla's layer gives its own)
+    attention_cls: type[nn.Module] = LlamaAttention
+
     def __init__(self, cfg: LlamaConfig, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(cfg, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -211,22 +214,28 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits`` -> [T, V]."""
 
+    layer_cls: type[nn.Module] = LlamaDecoderLayer  # (cfg, prefix) -> one decoder layer
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
         self.vocab_size = cfg.vocab_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        # one table for all layers: [max_positions, head_size] float32
-        self.rotary_emb = RotaryEmbedding(
-            cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        # one table for all layers: [max_positions, rotated dims] float32
+        self.rotary_emb = self.make_rotary_emb(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
+            self.layer_cls(cfg, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def make_rotary_emb(cfg: LlamaConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(
+            cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]

@@ -22,8 +22,13 @@ import torch
 from torch import nn
 
 from graphattn.attention.layer import MLAAttention
-from graphattn.head import linear
-from graphattn.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
+from graphattn.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class MLAConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -116,53 +122,20 @@ class MLASelfAttention(nn.Module):
         return self.o_proj(out)
 
 
-class MLAMLP(nn.Module):
-    def __init__(self, cfg: MLAConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+class MLADecoderLayer(LlamaDecoderLayer):
+    """The Llama layer (pre-norm residual blocks, SwiGLU MLP) around MLA attention."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    attention_cls = MLASelfAttention
 
 
-class MLADecoderLayer(nn.Module):
-    def __init__(self, cfg: MLAConfig, prefix: str) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLASelfAttention(cfg, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLAMLP(cfg)
+class MLAForCausalLM(LlamaForCausalLM):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits`` -> [T, V]
+    (the example Llama's, with MLA layers and a rotary table of ``qk_rope_head_dim``)."""
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    layer_cls = MLADecoderLayer
 
-
-class MLAForCausalLM(nn.Module):
-    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits`` -> [T, V]."""
-
-    def __init__(self, cfg: MLAConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.vocab_size = cfg.vocab_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(
+    @staticmethod
+    def make_rotary_emb(cfg: MLAConfig) -> RotaryEmbedding:  # type: ignore[override]
+        return RotaryEmbedding(
             cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, None
         )
-        self.layers = nn.ModuleList(
-            MLADecoderLayer(cfg, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions)
-        for layer in self.layers:
-            x = layer(rope, x)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, self.lm_head.bias)
