@@ -108,7 +108,9 @@ def test_layer_inputs_are_checked():
     with set_forward_context(None, layers=engine.bound):
         with pytest.raises(ga.InvalidInputError, match=r"key must be \[3, 128\]"):
             attn(q, torch.randn(3, 64), torch.randn(3, 128))
-        with pytest.raises(ga.InvalidInputError, match="all three must match"):
+        with pytest.raises(
+            ga.InvalidInputError, match="query, key and value must have one dtype and device"
+        ):
             attn(q, q.double(), q)
 
 

@@ -139,19 +139,25 @@ class Attention(nn.Module):
                     f"{self.layer_name}: {name} must be [{t}, {heads * self.head_size}] or "
                     f"[{t}, {heads}, {self.head_size}], got {list(x.shape)}"
                 )
+        self._check_kinds_and_call(
+            {"query": query, "key": key, "value": value}, "query, key and value"
+        )
+
+    def _check_kinds_and_call(self, inputs: dict[str, torch.Tensor], what: str) -> None:
+        """The inputs (query first) of one dtype and device, floating point; the layer's
+        first call this step, and for every token of it."""
+        query = inputs["query"]
+        for name, x in inputs.items():
             if x.dtype != query.dtype or x.device != query.device:
                 raise InvalidInputError(
                     f"{self.layer_name}: {name} is {x.dtype} on {x.device}, query is "
-                    f"{query.dtype} on {query.device}; all three must match"
+                    f"{query.dtype} on {query.device}; {what} must have one dtype and device"
                 )
         if not query.is_floating_point():
             raise InvalidInputError(
-                f"{self.layer_name}: query, key and value must be floating point, got {query.dtype}"
+                f"{self.layer_name}: {what} must be floating point, got {query.dtype}"
             )
-        self._check_call(t, "query, key and value")
-
-    def _check_call(self, t: int, what: str) -> None:
-        """The layer's first call this step, and for every token of it (``t``)."""
+        t = query.shape[0]
         ctx = get_forward_context()
         if ctx.called is None:
             ctx.called = set()
@@ -283,16 +289,8 @@ class MLAAttention(Attention):
                 raise InvalidInputError(
                     f"{self.layer_name}: {name} must be {' or '.join(map(str, layouts))}, got {got}"
                 )
-            if x.dtype != query.dtype or x.device != query.device:
-                raise InvalidInputError(
-                    f"{self.layer_name}: {name} is {x.dtype} on {x.device}, query is "
-                    f"{query.dtype} on {query.device}; all four must match"
-                )
-        if not query.is_floating_point():
-            raise InvalidInputError(
-                f"{self.layer_name}: the inputs must be floating point, got {query.dtype}"
-            )
-        self._check_call(t, "MLA inputs")
+        inputs = {"query": query, "kv_c_normed": kv_c_normed, "k_pe": k_pe}
+        self._check_kinds_and_call(inputs | {"kv_b_proj_weight": weight}, "the MLA inputs")
 
     def extra_repr(self) -> str:
         return (
