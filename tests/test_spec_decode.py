@@ -268,6 +268,76 @@ def test_a_decode_only_mode_without_a_size_of_whole_requests_says_why():
     assert "<= max_num_seqs x 3 that is a multiple of uniform_decode_query_len" in str(records[-1])
 
 
+def speculative_generate(engine, prompts, max_new, k, drafts_for, rng):
+    """Greedy speculative decoding on ``engine.step``: prefill every prompt, then verify
+    steps of each request's last token and k drafts (``drafts_for(i, generated, rng)``),
+    accepting the drafts that equal the target's greedy choice and one token more. Drafts a
+    step rejects leave keys and values past the accepted length, which the next step
+    overwrites. Returns the new tokens per prompt, and how many drafts were accepted of how
+    many proposed."""
+    q, block_size = k + 1, engine.config.block_size
+    seqs = [list(p) for p in prompts]
+    blocks = [engine.kv_cache.allocate(-(-(len(p) + max_new + q) // block_size)) for p in prompts]
+    out = engine.step(ga.Batch.from_requests(ga.Request(p, 0, b) for p, b in zip(prompts, blocks)))
+    batch_rows = np.cumsum([len(p) for p in prompts]) - 1
+    firsts = ga.greedy(engine.compute_logits(out[torch.as_tensor(batch_rows)])).tolist()
+    for s, t in zip(seqs, firsts):
+        s.append(t)
+    accepted = proposed = 0
+    while min(len(s) - len(p) for s, p in zip(seqs, prompts)) < max_new:
+        drafts = [drafts_for(i, s[len(prompts[i]) :], rng) for i, s in enumerate(seqs)]
+        requests = [ga.Request([s[-1], *d], len(s) - 1, b) for s, d, b in zip(seqs, drafts, blocks)]
+        rows = engine.compute_logits(engine.step(ga.Batch.from_requests(requests)))
+        choice = ga.greedy(rows).view(len(seqs), q).tolist()
+        for s, d, g in zip(seqs, drafts, choice):
+            n = 0
+            while n < k and d[n] == g[n]:
+                n += 1
+            accepted, proposed = accepted + n, proposed + k
+            s.extend([*d[:n], g[n]])
+    for b in blocks:
+        engine.kv_cache.free(b)
+    return [s[len(p) : len(p) + max_new] for s, p in zip(seqs, prompts)], accepted, proposed
+
+
+def _oracle_drafts(reference, k, hit):
+    """Drafts from the reference continuation, each wrong with probability 1 - hit."""
+
+    def drafts_for(i, generated, rng):
+        ahead = reference[i][len(generated) : len(generated) + k]
+        ahead += [1] * (k - len(ahead))
+        return [t if rng.random() < hit else int(rng.integers(1, 500)) for t in ahead]
+
+    return drafts_for
+
+
+def _tiny_llama(device, dtype):
+    from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=2))
+    return init_random_weights(model, seed=5).to(device, dtype)
+
+
+def test_speculative_decoding_on_verify_steps_gives_greedy_tokens():
+    """A speculative-decoding loop on an engine with uniform_decode_query_len=k+1: accepted
+    and rejected drafts mixed, rolled-back cache positions rewritten by later steps. Every
+    token equals plain greedy generate's."""
+    model = _tiny_llama("cpu", torch.float32)
+    limits = dict(num_blocks=128, max_model_len=256, compile_backend="none")
+    reference = ga.compile(model, cudagraph_mode="NONE", **limits).generate(
+        [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46]], max_new_tokens=20
+    )
+    engine = ga.compile(model, cudagraph_mode="NONE", uniform_decode_query_len=4, **limits)
+    prompts = [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46]]
+    got, accepted, proposed = speculative_generate(
+        engine, prompts, 20, 3, _oracle_drafts(reference, 3, 0.7), np.random.default_rng(0)
+    )
+    assert got == reference
+    assert 0 < accepted < proposed  # drafts taken and refused
+    assert engine.kv_cache.num_free_blocks == 128
+
+
 # -- on CUDA: full graphs of verify batches ------------------------------------------------
 
 
@@ -318,3 +388,30 @@ def test_verify_steps_replay_full_graphs_and_match_eager(verify_engines, num_req
     assert eng.stats.runtime_modes["FULL"] == before + 1
     assert rel_err(out, out_ref) < 2e-2
     assert eng.stats.recompiles == 0 and eng.stats.captures_after_startup == 0
+
+
+@pytest.mark.gpu
+def test_speculative_decoding_replays_full_graphs_for_its_verify_steps(tmp_path):
+    """The same loop on CUDA (fp32, so the greedy choices cannot differ by rounding): every
+    verify step replays a full decode graph, and the tokens are plain greedy generate's."""
+    model = _tiny_llama("cuda", torch.float32)
+    limits = dict(num_blocks=128, max_model_len=256, max_num_seqs=8, max_num_tokens=128)
+    prompts = [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46]]
+    reference = ga.compile(
+        copy.deepcopy(model), cudagraph_mode="NONE", compile_backend="none", **limits
+    ).generate(prompts, max_new_tokens=20)
+    engine = ga.compile(
+        copy.deepcopy(model),
+        cudagraph_mode="FULL_AND_PIECEWISE",
+        uniform_decode_query_len=4,
+        cache_dir=str(tmp_path),
+        **limits,
+    )
+    got, accepted, proposed = speculative_generate(
+        engine, prompts, 20, 3, _oracle_drafts(reference, 3, 0.7), np.random.default_rng(0)
+    )
+    assert got == reference
+    assert 0 < accepted < proposed
+    verify_steps = engine.stats.steps - 1  # all but the prefill
+    assert engine.stats.runtime_modes["FULL"] == verify_steps
+    assert engine.stats.recompiles == 0 and engine.stats.captures_after_startup == 0
