@@ -21,7 +21,7 @@ def demo(args: argparse.Namespace) -> None:
         modes = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
     else:
         modes = ["FULL_AND_PIECEWISE"]  # the default; without CUDA it falls back to NONE
-    run_demo(modes, args.new_tokens, args.cpu)
+    run_demo(modes, args.new_tokens, args.cpu, args.model)
 
 
 def _modes(text: str) -> list[str]:
@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--new-tokens", type=_positive_int, default=32, help="default 32")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is present")
+    p.add_argument(
+        "--model",
+        choices=("llama", "mla"),
+        default="llama",
+        help="llama (default) or mla: a DeepSeek-V2-style model on ga.MLAAttention",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=demo)
     sub.add_parser(

@@ -1,4 +1,5 @@
-"""``python -m graphattn demo``: a tiny random-weight Llama compiled in each CUDA-graph mode."""
+"""``python -m graphattn demo``: a tiny random-weight Llama (or, with ``--model mla``, a
+DeepSeek-V2-style MLA model) compiled in each CUDA-graph mode."""
 
 from __future__ import annotations
 
@@ -8,25 +9,31 @@ import warnings
 import torch
 
 import graphattn as ga
-from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+from graphattn.models import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MLAConfig,
+    MLAForCausalLM,
+    init_random_weights,
+)
 
 PROMPT_LENGTHS = (5, 17, 33, 64, 9, 100, 3, 48)
 
 
-def run_demo(modes: list[str], new_tokens: int, use_cpu: bool) -> None:
+def run_demo(modes: list[str], new_tokens: int, use_cpu: bool, model_kind: str = "llama") -> None:
     """Generate the same prompts with one engine per mode; print the first engine's report,
     then the requested and resolved mode, fallbacks and speed of each.
     """
     device = "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = LlamaConfig.tiny(
-        num_hidden_layers=4,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    )
-    model = init_random_weights(LlamaForCausalLM(cfg)).to(device, dtype)
+    shape = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512)
+    if model_kind == "mla":  # its TORCH_REF_MLA allows no full graphs: the report says so
+        cfg = MLAConfig.tiny(**shape, num_attention_heads=8)
+        model = init_random_weights(MLAForCausalLM(cfg))
+    else:
+        cfg = LlamaConfig.tiny(**shape, num_attention_heads=8, num_key_value_heads=2)
+        model = init_random_weights(LlamaForCausalLM(cfg))
+    model = model.to(device, dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS

@@ -17,6 +17,14 @@ def test_demo_runs_reports_and_sums_up(tmp_path, monkeypatch, capsys):
     assert "fallback: cudagraph_mode FULL_AND_PIECEWISE -> NONE" in out  # said, not silent
 
 
+def test_demo_runs_the_mla_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHATTN_CACHE_DIR", str(tmp_path))
+    assert main(["demo", "--cpu", "--new-tokens", "2", "--model", "mla"]) == 0
+    out = capsys.readouterr().out
+    assert "TORCH_REF_MLA" in out and "mla(latent=64, rope=16, float32)" in out
+    assert "8 prompts x 2 new tokens on cpu" in out
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -24,6 +32,7 @@ def test_demo_runs_reports_and_sums_up(tmp_path, monkeypatch, capsys):
         (["--modes", "full"], "got 'full'"),
         (["--new-tokens", "0"], "argument --new-tokens: expected an int >= 1, got '0'"),
         (["--new-tokens", "many"], "expected an int >= 1, got 'many'"),
+        (["--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
     ],
 )
 def test_demo_refuses_bad_arguments_at_once(arguments, message, capsys):
