@@ -879,6 +879,27 @@ def compile_for_hopper() -> list[dict]:
     )
     compiled = triton.compile(reduce, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     results.append(dict(case="reduce", shared=compiled.metadata.shared, spill=_spill(compiled)))
+    from graphattn.kernels import mla_decode
+
+    mla = mla_decode._mla_decode_kernel  # DeepSeek-V2's entry (512 + 64) and a small one
+    for dtype, rank, rope, split in (
+        (torch.bfloat16, 512, 64, True),
+        (torch.bfloat16, 512, 64, False),
+        (torch.float16, 512, 64, True),
+        (torch.float32, 512, 64, True),
+        (torch.bfloat16, 64, 16, True),
+    ):
+        tile_n, warps = mla_decode.launch_config(dtype)
+        constants = dict(
+            LATENT=rank, L_PAD=rank, ROPE=rope, R_PAD=max(16, rope), BLOCK_H=mla_decode.BLOCK_H,
+            TILE_N=tile_n, BLOCK_SIZE=16, SPLIT=split, DOT_FP32=False,
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+        src = ASTSource(mla, _signature(mla, dtype), constants, _aligned(mla))
+        options = {"num_warps": warps, "num_stages": 2}
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        name = f"mla decode {dtype} {rank}+{rope} split={split}"
+        results.append(dict(case=name, shared=compiled.metadata.shared, spill=_spill(compiled)))
     folded = split_kv._reduce_o_proj_kernel  # every group width it folds, as launched
     for group in (1, 2, 4, 8, 16):
         for head_size in (64, 128, 256):
@@ -967,3 +988,4 @@ def test_cuda_launches_compile_for_hopper():
             assert r["relaxed_adds"] > 0, r
     folded = [r["case"] for r in results if r["case"].startswith("reduce + o_proj")]
     assert len(folded) == 12 and "reduce + o_proj G4 D64 rows 64" in folded
+    assert sum(r["case"].startswith("mla decode") for r in results) == 5

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import DEVICES, TableAttentionModel, make_seqs, prefill_prefixes, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import graphattn as ga
 from graphattn.attention.backends.mla import TorchRefMLABackend
@@ -189,6 +191,100 @@ def test_the_one_token_build_with_the_gemv_passes_matches_eager(tmp_path, monkey
     batch = ga.Batch.from_requests([s.request() for s in seqs])
     assert rel_err(compiled.step(batch), eager.step(batch)) < 2e-2
     assert calls  # the one-token build ran the folded norm + GEMV kernels
+
+
+# -- TRITON_MLA: the decode kernel, and the backend through the engine ----------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rank=st.sampled_from([16, 48, 64]),
+    rope=st.sampled_from([8, 16, 32]),
+    heads=st.sampled_from([1, 5, 16, 20]),
+    block_size=st.sampled_from([8, 16]),
+    splits=st.sampled_from([1, 3]),
+    lens=st.lists(st.integers(0, 70), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_decode_kernel_matches_the_reference(
+    rank, rope, heads, block_size, splits, lens, dtype, seed
+):
+    """kernels/mla_decode.py against paged_attention_ref with values a view of the keys:
+    any rank, rotary width (padded to 16 for the dot), head count (blocks of 16 masked),
+    block size, split count and lengths (0: a padding request, whose rows are not read)."""
+    from graphattn.kernels import mla_decode, split_kv
+    from graphattn.kernels.reference import paged_attention_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    width = 70 // block_size + 1
+    num_blocks = len(lens) * width
+    cache = torch.randn(num_blocks, block_size, rank + rope, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), -1)
+    table = table.int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), heads, rank + rope, generator=gen).to(dtype)
+    starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+    out = torch.full((len(lens), heads, rank), float("nan"), dtype=dtype)
+    scratch = None
+    if splits > 1:
+        rows = len(lens) * heads * splits
+        scratch = split_kv.SplitScratch(torch.empty(rows * rank), torch.empty(rows), len(lens))
+    mla_decode.mla_decode(
+        query, cache, table, seq_lens, out, starts, kv_lora_rank=rank, scale=0.3,
+        num_splits=splits, scratch=scratch,
+    )  # fmt: skip
+    keys = cache.float().unsqueeze(2)
+    ref = torch.zeros(len(lens), heads, rank)
+    paged_attention_ref(
+        query.float(), keys, keys[..., :rank], table, starts.tolist(), lens, 0.3, ref,
+        num_decodes=len(lens),
+    )  # fmt: skip
+    real = seq_lens > 0
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(out[real].float(), ref[real]) < tol
+
+
+def test_triton_mla_through_the_engine_matches_dense_mla():
+    """Mixed batches (TORCH_REF_MLA's computation), then one-token decodes (the kernel, with
+    splits on the interpreter's four "SMs"), on one engine."""
+    model = _model(**SHAPES["q_proj"])
+    engine = _engine(model, attention_backend="TRITON_MLA")
+    assert engine.report.groups[0].cudagraph_support == "UNIFORM_SINGLE_TOKEN_DECODE"
+    rng = np.random.default_rng(9)
+    for shape in ([(0, 9), (21, 1), (40, 13)], [(70, 1), (3, 1), (33, 1), (16, 1)]):
+        seqs = make_seqs(rng, shape, 512, 16, 64)
+        prefill_prefixes(engine, seqs)
+        out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+        assert rel_err(out, _expected(model, seqs)) < 1e-5
+    assert "split" in engine.attn_groups[0].builder.scratch  # the decodes ran split
+
+
+def test_triton_mla_decodes_padded_as_a_graph_replays_them(monkeypatch):
+    """A decode batch padded to a full graph's key (3 requests as 8, the padding requests of
+    length 0): the metadata the graph would be captured with, run eagerly; rows match."""
+    from graphattn.attention.backends.mla import TritonMLAMetadataBuilder
+    from graphattn.capture.dispatcher import BatchDescriptor, Dispatch
+
+    model = _model()
+    engine = _engine(model, attention_backend="TRITON_MLA")
+    monkeypatch.setattr(TritonMLAMetadataBuilder, "full_replay_needs_build", True)
+    seqs = make_seqs(np.random.default_rng(10), [(30, 1), (5, 1), (61, 1)], 512, 16, 64)
+    prefill_prefixes(engine, seqs)
+    engine.runner.planner = lambda t, r, u: Dispatch(M.FULL, BatchDescriptor(8, 8, True))
+    out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
+    assert rel_err(out, _expected(model, seqs)) < 1e-5
+    assert engine.stats.runtime_modes["FULL"] == 1
+
+
+def test_triton_mla_allows_full_graphs_for_decodes_only():
+    """What its support level gives on a GPU (the report's mode_on_cuda off CUDA)."""
+    model = _model()
+    split = dict(compile_backend="eager", attention_backend="TRITON_MLA")  # split at attention
+    keep = _engine(model, cudagraph_mode="FULL_AND_PIECEWISE", **split)
+    assert keep.report.mode_on_cuda == "FULL_AND_PIECEWISE, kept (backend TRITON_MLA)"
+    lowered = _engine(model, cudagraph_mode="FULL", **split)
+    assert "FULL -> FULL_AND_PIECEWISE" in lowered.report.mode_on_cuda
 
 
 # -- the layer, the cache and selection ------------------------------------------------------
@@ -385,3 +481,73 @@ def test_graph_modes_lower_to_piecewise_and_match_eager(tmp_path):
         assert rel_err(eng.step(batch), ref.step(batch)) < 2e-2
     assert eng.stats.runtime_modes["PIECEWISE"] >= 3
     assert eng.stats.recompiles == 0 and eng.stats.captures_after_startup == 0
+
+
+@pytest.mark.gpu
+def test_triton_mla_decodes_replay_full_graphs_and_match_eager(tmp_path):
+    """TRITON_MLA under FULL_AND_PIECEWISE (kept: decodes FULL, mixed batches piecewise)
+    against an eager TORCH_REF_MLA engine: decode batches of every size up to the largest
+    graph (padded requests of length 0), and mixed batches."""
+    model = _model("cuda", torch.bfloat16, **SHAPES["q_proj"])
+    ref = _engine(copy.deepcopy(model), num_blocks=256)
+    eng = _engine(
+        copy.deepcopy(model),
+        num_blocks=256,
+        cudagraph_mode="FULL_AND_PIECEWISE",
+        compile_backend="inductor",
+        attention_backend="TRITON_MLA",
+        cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+        cache_dir=str(tmp_path),
+        debug=True,
+    )
+    assert eng.resolved_mode == M.FULL_AND_PIECEWISE and not eng.report.fallbacks
+    rng = np.random.default_rng(11)
+    for n in (1, 3, 8, 13, 16):
+        seqs = make_seqs(rng, [(int(rng.integers(1, 200)), 1) for _ in range(n)], 512, 16, 256)
+        for e in (ref, eng):
+            prefill_prefixes(e, seqs)
+        before = eng.stats.runtime_modes["FULL"]
+        batch = ga.Batch.from_requests([s.request() for s in seqs])
+        assert rel_err(eng.step(batch), ref.step(batch)) < 2e-2, n
+        assert eng.stats.runtime_modes["FULL"] == before + 1, n
+    seqs = make_seqs(rng, [(0, 6), (14, 1), (40, 3)], 512, 16, 256)
+    for e in (ref, eng):
+        prefill_prefixes(e, seqs)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    assert rel_err(eng.step(batch), ref.step(batch)) < 2e-2
+    assert eng.stats.recompiles == 0 and eng.stats.captures_after_startup == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 8])
+def test_the_decode_kernel_at_deepseek_v2_shape_on_cuda(splits):
+    """512 + 64 entries, 16 heads, bf16, long sequences, against the reference in fp32."""
+    from graphattn.kernels import mla_decode, split_kv
+    from graphattn.kernels.reference import paged_attention_ref
+
+    gen = torch.Generator("cuda").manual_seed(3)
+    reqs, heads, rank, rope, width = 6, 16, 512, 64, 64
+    cache = torch.randn(reqs * width, 16, rank + rope, device="cuda", generator=gen)
+    cache = cache.bfloat16()
+    table = torch.randperm(reqs * width, device="cuda", generator=gen).view(reqs, width).int()
+    lens = [1000, 17, 0, 513, 1024, 64]
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(reqs, heads, rank + rope, device="cuda", generator=gen).bfloat16()
+    starts = torch.arange(reqs + 1, dtype=torch.int32, device="cuda")
+    out = torch.empty(reqs, heads, rank, device="cuda", dtype=torch.bfloat16)
+    rows = reqs * heads * splits
+    scratch = split_kv.SplitScratch(
+        torch.empty(rows * rank, device="cuda"), torch.empty(rows, device="cuda"), reqs
+    )
+    mla_decode.mla_decode(
+        query, cache, table, seq_lens, out, starts, kv_lora_rank=rank, scale=576**-0.5,
+        num_splits=splits, scratch=scratch,
+    )  # fmt: skip
+    keys = cache.float().unsqueeze(2)
+    ref = torch.zeros(reqs, heads, rank, device="cuda")
+    paged_attention_ref(
+        query.float(), keys, keys[..., :rank], table, starts.tolist(), lens, 576**-0.5, ref,
+        num_decodes=reqs,
+    )  # fmt: skip
+    real = seq_lens > 0
+    assert rel_err(out[real].float(), ref[real]) < 2e-2

@@ -110,19 +110,33 @@ def reduce_splits(
 ) -> None:
     """Merge the partial results of every real token into ``output`` (padding rows: untouched
     past the last request, zero for requests without keys)."""
+    reduce_rows(scratch, output, query_start_loc, plan.num_reqs, plan.num_splits, plan.head_size)
+
+
+def reduce_rows(
+    scratch: SplitScratch,
+    output: torch.Tensor,  # [T, H, D]
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    num_reqs: int,
+    num_splits: int,
+    head_size: int,
+) -> None:
+    """``reduce_splits`` for any launch that stored its partial rows in this layout,
+    ``[T, H, S, head_size]`` and ``[T, H, S]`` (the MLA decode kernel's too): one program
+    per (token, head) of ``output``."""
     pdl = launch_options(output.device)
-    _reduce_kernel[plan.reduce_grid](
+    _reduce_kernel[(output.shape[0], output.shape[1])](
         scratch.out,
         scratch.lse,
         output,
         query_start_loc,
-        plan.num_reqs,
-        plan.num_splits,
+        num_reqs,
+        num_splits,
         output.stride(0),
         output.stride(1),
-        HEAD_SIZE=plan.head_size,
-        D_PAD=triton.next_power_of_2(plan.head_size),
-        S_PAD=triton.next_power_of_2(plan.num_splits),
+        HEAD_SIZE=head_size,
+        D_PAD=triton.next_power_of_2(head_size),
+        S_PAD=triton.next_power_of_2(num_splits),
         PDL=bool(pdl),
         num_warps=4,
         **pdl,
