@@ -111,10 +111,13 @@ class CudagraphDispatcher:
         wanted = self.mode.decode_mode() if uniform_decode else self.mode.mixed_mode()
         if num_tokens > self.max_size:  # mixed batches under FULL_DECODE_ONLY lose nothing
             return Dispatch(M.NONE, None, ABOVE_LARGEST if wanted != M.NONE else None)
+        padded = self.pad_to[num_tokens]
         if uniform_decode and num_tokens < len(self.pad_uniform):
             size = self.pad_uniform[num_tokens]
-            return Dispatch(M.FULL, BatchDescriptor(size, size // self.q, True))
-        padded = self.pad_to[num_tokens]
+            # under FULL a mixed graph of a smaller size serves the batch with less padding
+            # (only with q > 1, where the uniform sizes skip the sizes that are no multiple)
+            if size == padded or self.mode.mixed_mode() != M.FULL:
+                return Dispatch(M.FULL, BatchDescriptor(size, size // self.q, True))
         key = BatchDescriptor(padded, min(padded, self.max_num_seqs), False)
         if key in self._full and num_reqs <= key.num_reqs:
             return Dispatch(M.FULL, key)

@@ -158,13 +158,15 @@ def describe_decode_gap(dispatcher: CudagraphDispatcher) -> str | None:
         return None
     lo, hi = gap
     mode, q = dispatcher.mode, dispatcher.q
-    runs = "piecewise" if mode.mixed_mode() == M.PIECEWISE else "without graphs"
+    if mode.mixed_mode() == M.PIECEWISE:
+        runs = f"run piecewise, padded as mixed batches are (from {dispatcher.pad_to[lo]})"
+    else:
+        runs = "run without graphs"
     times = "" if q == 1 else f" x {q}"
     whole = "" if q == 1 else f" that are multiples of uniform_decode_query_len={q}"
     return (
         f"decode batches of {lo}-{hi} tokens get no full graph under {mode}: full decode "
         f"graphs exist only for capture sizes <= max_num_seqs{times} "
         f"({dispatcher.max_num_seqs * q}){whole}, none of which holds these batches, so they "
-        f"pad to {dispatcher.pad_to[lo]} and run {runs} (counted in engine.stats.fallbacks); "
-        f"a capture size of {hi} gives them one"
+        f"{runs} (counted in engine.stats.fallbacks); a capture size of {hi} gives them one"
     )

@@ -9,7 +9,8 @@
 # (benchmarks/persistent_chain.py), cuda (benchmarks/cuda_chain.py, GA_CUDA_ARGS), trace
 # (decode.py's continuous-batching trace alone, with the reduce-overhead baseline given the time the
 # full run cannot give it), demo, fold (the o_proj fold's GPU tests, then its A/B at batch 1 and 8),
-# spec (benchmarks/spec_decode.py: verify steps with and without uniform_decode_query_len, GA_SPEC_ARGS).
+# spec (benchmarks/spec_decode.py: verify steps with and without uniform_decode_query_len, GA_SPEC_ARGS),
+# mla (benchmarks/mla.py: TRITON_MLA's decode kernel and an MLA model's decode step, GA_MLA_ARGS).
 # Extra pytest/benchmark arguments come from GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail
@@ -65,6 +66,8 @@ for part in "$@"; do
              --out "$OUT/graph_nodes.json" 2>&1 | grep -v "^USDT" \
              | tee "$OUT/graph_nodes.log" | tail -80; rc=${PIPESTATUS[0]} ;;
     demo) python3 -m graphattn demo 2>&1 | tee "$OUT/demo.log" | tail -30; rc=${PIPESTATUS[0]} ;;
+    mla) eval "python3 benchmarks/mla.py --out $OUT/mla.json ${GA_MLA_ARGS:-}" 2>&1 \
+             | tee "$OUT/mla.log" | tail -30; rc=${PIPESTATUS[0]} ;;
     spec) eval "python3 benchmarks/spec_decode.py --out $OUT/spec_decode.json ${GA_SPEC_ARGS:-}" 2>&1 \
              | tee "$OUT/spec_decode.log" | tail -30; rc=${PIPESTATUS[0]} ;;
     fold) { python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_o_proj_fold.py \

@@ -112,6 +112,16 @@ def test_verify_batches_pad_to_a_size_of_whole_requests():
     assert fixed.decode_gap() is None
 
 
+def test_under_full_a_verify_batch_takes_the_least_padding():
+    """FULL has a mixed graph at every size: a verify batch of 2 x 2 tokens with sizes (3, 4,
+    6) has a uniform graph at 4; one request of 2 tokens pads to 3 (mixed) rather than 4."""
+    d = CudagraphDispatcher(M.FULL, [3, 4, 6], 8, uniform_decode_query_len=2)
+    assert d.dispatch(2, 1, True) == (M.FULL, BatchDescriptor(3, 3, False), None)
+    assert d.dispatch(4, 2, True) == (M.FULL, BatchDescriptor(4, 2, True), None)
+    fap = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [3, 4, 6], 8, uniform_decode_query_len=2)
+    assert fap.dispatch(2, 1, True) == (M.FULL, BatchDescriptor(4, 2, True), None)
+
+
 def test_one_token_decodes_under_full_decode_only_run_without_graphs():
     d = CudagraphDispatcher(M.FULL_DECODE_ONLY, [4, 8], 8, uniform_decode_query_len=4)
     out = d.dispatch(3, 3, False)
@@ -132,7 +142,7 @@ def test_dispatch_never_pads_a_batch_into_fewer_requests_or_tokens(
 ):
     """Any sizes, length and limit: a FULL key holds the batch's tokens and requests, a
     uniform key is exactly q tokens a request, and a uniform batch that some uniform graph
-    can hold gets one."""
+    can hold gets a full graph: that one, or under FULL a smaller mixed one."""
     d = CudagraphDispatcher(mode, sizes, max_num_seqs, uniform_decode_query_len=q)
     reqs = data.draw(st.integers(1, max_num_seqs))
     uniform = data.draw(st.booleans())
@@ -146,7 +156,11 @@ def test_dispatch_never_pads_a_batch_into_fewer_requests_or_tokens(
             assert key.num_tokens == q * key.num_reqs
     holders = [k for k in d.keys[M.FULL] if k.uniform_decode and k.num_tokens >= tokens]
     if uniform and holders:
-        assert out.mode == M.FULL and out.descriptor == min(holders)
+        assert out.mode == M.FULL
+        if mode == M.FULL:
+            assert out.descriptor.num_tokens == min(d.pad_to[tokens], min(holders).num_tokens)
+        else:
+            assert out.descriptor == min(holders)
 
 
 @pytest.mark.parametrize(
@@ -277,35 +291,42 @@ def speculative_generate(engine, prompts, max_new, k, drafts_for, rng):
     many proposed."""
     q, block_size = k + 1, engine.config.block_size
     seqs = [list(p) for p in prompts]
-    blocks = [engine.kv_cache.allocate(-(-(len(p) + max_new + q) // block_size)) for p in prompts]
-    out = engine.step(ga.Batch.from_requests(ga.Request(p, 0, b) for p, b in zip(prompts, blocks)))
-    batch_rows = np.cumsum([len(p) for p in prompts]) - 1
-    firsts = ga.greedy(engine.compute_logits(out[torch.as_tensor(batch_rows)])).tolist()
-    for s, t in zip(seqs, firsts):
-        s.append(t)
-    accepted = proposed = 0
-    while min(len(s) - len(p) for s, p in zip(seqs, prompts)) < max_new:
-        drafts = [drafts_for(i, s[len(prompts[i]) :], rng) for i, s in enumerate(seqs)]
-        requests = [ga.Request([s[-1], *d], len(s) - 1, b) for s, d, b in zip(seqs, drafts, blocks)]
-        rows = engine.compute_logits(engine.step(ga.Batch.from_requests(requests)))
-        choice = ga.greedy(rows).view(len(seqs), q).tolist()
-        for s, d, g in zip(seqs, drafts, choice):
-            n = 0
-            while n < k and d[n] == g[n]:
-                n += 1
-            accepted, proposed = accepted + n, proposed + k
-            s.extend([*d[:n], g[n]])
-    for b in blocks:
-        engine.kv_cache.free(b)
+    # a request verifies only while it has fewer than max_new tokens: its last verify step
+    # starts below max_new and caches at most k + 1 more
+    blocks = [engine.kv_cache.allocate(-(-(len(p) + max_new + k) // block_size)) for p in prompts]
+    try:
+        first = ga.Batch.from_requests(ga.Request(p, 0, b) for p, b in zip(prompts, blocks))
+        rows = torch.as_tensor(first.last_token_rows())
+        firsts = ga.greedy(engine.compute_logits(engine.step(first)[rows])).tolist()
+        for s, t in zip(seqs, firsts):
+            s.append(t)
+        accepted = proposed = 0
+        while live := [i for i, s in enumerate(seqs) if len(s) - len(prompts[i]) < max_new]:
+            drafts = {i: drafts_for(i, seqs[i][len(prompts[i]) :], rng) for i in live}
+            requests = [
+                ga.Request([seqs[i][-1], *drafts[i]], len(seqs[i]) - 1, blocks[i]) for i in live
+            ]
+            logits = engine.compute_logits(engine.step(ga.Batch.from_requests(requests)))
+            for i, g in zip(live, ga.greedy(logits).view(len(live), q).tolist()):
+                d, n = drafts[i], 0
+                while n < k and d[n] == g[n]:
+                    n += 1
+                accepted, proposed = accepted + n, proposed + k
+                seqs[i].extend([*d[:n], g[n]])
+    finally:
+        for b in blocks:
+            engine.kv_cache.free(b)
     return [s[len(p) : len(p) + max_new] for s, p in zip(seqs, prompts)], accepted, proposed
 
 
-def _oracle_drafts(reference, k, hit):
-    """Drafts from the reference continuation, each wrong with probability 1 - hit."""
+def _oracle_drafts(reference, k, hits):
+    """Drafts from the reference continuation, each of request i's wrong with probability
+    1 - hits[i] (a number: the same for every request)."""
 
     def drafts_for(i, generated, rng):
+        hit = hits[i] if isinstance(hits, tuple) else hits
         ahead = reference[i][len(generated) : len(generated) + k]
-        ahead += [1] * (k - len(ahead))
+        ahead += [1] * (k - len(ahead))  # past the reference's end: any token
         return [t if rng.random() < hit else int(rng.integers(1, 500)) for t in ahead]
 
     return drafts_for
@@ -319,10 +340,12 @@ def _tiny_llama(device, dtype):
     return init_random_weights(model, seed=5).to(device, dtype)
 
 
-def test_speculative_decoding_on_verify_steps_gives_greedy_tokens():
-    """A speculative-decoding loop on an engine with uniform_decode_query_len=k+1: accepted
-    and rejected drafts mixed, rolled-back cache positions rewritten by later steps. Every
-    token equals plain greedy generate's."""
+@pytest.mark.parametrize("hits", [(0.0,) * 3, (0.7,) * 3, (1.0,) * 3, (1.0, 0.0, 0.0)])
+def test_speculative_decoding_on_verify_steps_gives_greedy_tokens(hits):
+    """A speculative-decoding loop on an engine with uniform_decode_query_len=k+1: drafts
+    all wrong, mixed, all right, and one request all right while the others are all wrong
+    (it finishes steps before them and leaves their batches). Rolled-back positions are
+    rewritten by later steps. Every token equals plain greedy generate's."""
     model = _tiny_llama("cpu", torch.float32)
     limits = dict(num_blocks=128, max_model_len=256, compile_backend="none")
     reference = ga.compile(model, cudagraph_mode="NONE", **limits).generate(
@@ -330,12 +353,13 @@ def test_speculative_decoding_on_verify_steps_gives_greedy_tokens():
     )
     engine = ga.compile(model, cudagraph_mode="NONE", uniform_decode_query_len=4, **limits)
     prompts = [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46]]
-    got, accepted, proposed = speculative_generate(
-        engine, prompts, 20, 3, _oracle_drafts(reference, 3, 0.7), np.random.default_rng(0)
-    )
-    assert got == reference
-    assert 0 < accepted < proposed  # drafts taken and refused
-    assert engine.kv_cache.num_free_blocks == 128
+    for seed in range(3):
+        got, accepted, proposed = speculative_generate(
+            engine, prompts, 20, 3, _oracle_drafts(reference, 3, hits), np.random.default_rng(seed)
+        )
+        assert got == reference
+        assert (accepted == 0) == (max(hits) == 0.0) and accepted <= proposed
+        assert engine.kv_cache.num_free_blocks == 128
 
 
 # -- on CUDA: full graphs of verify batches ------------------------------------------------

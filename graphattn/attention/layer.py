@@ -139,15 +139,14 @@ class Attention(nn.Module):
                     f"{self.layer_name}: {name} must be [{t}, {heads * self.head_size}] or "
                     f"[{t}, {heads}, {self.head_size}], got {list(x.shape)}"
                 )
-        self._check_kinds_and_call(
-            {"query": query, "key": key, "value": value}, "query, key and value"
-        )
+        self._check_kinds_and_call(query, (("key", key), ("value", value)), "query, key and value")
 
-    def _check_kinds_and_call(self, inputs: dict[str, torch.Tensor], what: str) -> None:
-        """The inputs (query first) of one dtype and device, floating point; the layer's
-        first call this step, and for every token of it."""
-        query = inputs["query"]
-        for name, x in inputs.items():
+    def _check_kinds_and_call(
+        self, query: torch.Tensor, others: tuple[tuple[str, torch.Tensor], ...], what: str
+    ) -> None:
+        """The query and the ``(name, tensor)`` others of one dtype and device, floating
+        point; the layer's first call this step, and for every token of it."""
+        for name, x in others:
             if x.dtype != query.dtype or x.device != query.device:
                 raise InvalidInputError(
                     f"{self.layer_name}: {name} is {x.dtype} on {x.device}, query is "
@@ -289,8 +288,8 @@ class MLAAttention(Attention):
                 raise InvalidInputError(
                     f"{self.layer_name}: {name} must be {' or '.join(map(str, layouts))}, got {got}"
                 )
-        inputs = {"query": query, "kv_c_normed": kv_c_normed, "k_pe": k_pe}
-        self._check_kinds_and_call(inputs | {"kv_b_proj_weight": weight}, "the MLA inputs")
+        others = (("kv_c_normed", kv_c_normed), ("k_pe", k_pe), ("kv_b_proj_weight", weight))
+        self._check_kinds_and_call(query, others, "the MLA inputs")
 
     def extra_repr(self) -> str:
         return (

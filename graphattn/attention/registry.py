@@ -194,6 +194,7 @@ def select_backend(cfg: AttentionSelectorConfig, requested: str | None = None) -
     if requested is not None:
         backend = get_backend(requested)
         if backend.is_mla() != cfg.use_mla:  # whatever its validate_configuration says
+            kind = sorted(n for n, b in _BACKENDS.items() if b.is_mla() == cfg.use_mla)
             raise BackendSelectionError(
                 f"attention backend {backend.get_name()} was requested for {_describe(cfg)}, "
                 + (
@@ -201,8 +202,9 @@ def select_backend(cfg: AttentionSelectorConfig, requested: str | None = None) -
                     if cfg.use_mla
                     else "but it is an MLA backend, which serves only ga.MLAAttention layers"
                 )
-                + "; a model with both kinds of layer names its backends per layer "
-                "(backend=...), not with attention_backend"
+                + f" (of this layer's kind: {', '.join(kind)}). attention_backend= names one "
+                "backend for every layer: a model with both kinds names them on each layer "
+                "(backend=) or leaves them to selection"
             )
         reasons = _reasons(backend, cfg)
         if reasons:

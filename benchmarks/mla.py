@@ -1,0 +1,227 @@
+"""MLA decode on the GPU: TRITON_MLA's kernel, and a decode step of an MLA model per backend.
+
+1. The kernel (``kernels/mla_decode.py``) at DeepSeek-V2's entry (512 + 64) and 16 heads
+   (DeepSeek-V2-Lite), bf16, for each batch and context: microseconds a launch (its split
+   reduction included) and the entries read per second, against the plain-PyTorch
+   reference TORCH_REF_MLA runs (``paged_attention_ref``), on the same random cache.
+2. A decode step (``engine.step`` + head + greedy) of ``MLAForCausalLM`` at DeepSeek-V2-Lite's
+   attention shape with ``--layers`` dense layers, for TRITON_MLA under
+   FULL_AND_PIECEWISE (decodes replay full graphs) and TORCH_REF_MLA (lowered to PIECEWISE).
+
+CUDA events after warm-up, medians, fresh random tokens each step.
+
+    python benchmarks/mla.py --out $OUT/mla.json     # CUDA; scripts/device_run.sh mla
+    python benchmarks/mla.py --smoke                 # CPU plumbing (interpreter), no results
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import graphattn as ga
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+
+def _time(fn, warmup: int, iters: int, device: str) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on the GPU, wall time elsewhere)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def kernel_part(a, device: str, dtype: torch.dtype) -> list[dict]:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+    rows = []
+    for context in a.contexts:
+        for b in a.batches:
+            row = _kernel_case(a, b, context, sms, device, dtype)
+            rows.append(row)
+            print(
+                f"kernel bs {b} ctx {context}: TRITON_MLA {row['triton_us']:.1f} us "
+                f"({row['triton_gbs']:.0f} GB/s, {row['splits']} splits), reference "
+                f"{row['reference_us']:.1f} us, rel err {row['rel_err']:.2e}",
+                flush=True,
+            )
+    return rows
+
+
+def _kernel_case(a, b: int, context: int, sms: int, device: str, dtype: torch.dtype) -> dict:
+    """One batch of ``b`` requests of ``context`` + 1 entries: both computations timed."""
+    from graphattn.attention.backends.mla import _mla_kernels
+    from graphattn.kernels.attention_plan import choose_num_splits
+    from graphattn.kernels.reference import paged_attention_ref
+
+    kernels = _mla_kernels()
+    rank, rope, heads, block = a.rank, a.rope, a.heads, 16
+    scale = (rank + rope) ** -0.5
+    width = -(-(context + 1) // block)
+    gen = torch.Generator(device).manual_seed(b * 7 + context)
+    cache = torch.randn(b * width, block, rank + rope, device=device, generator=gen).to(dtype)
+    table = torch.arange(b * width, device=device, dtype=torch.int32).view(b, width)
+    seq_lens = torch.full((b,), context + 1, dtype=torch.int32, device=device)
+    starts = torch.arange(b + 1, dtype=torch.int32, device=device)
+    query = torch.randn(b, heads, rank + rope, device=device, generator=gen).to(dtype)
+    out = torch.empty(b, heads, rank, device=device, dtype=dtype)
+    decode = kernels.mla_decode
+    splits = min(decode.MAX_SPLITS, choose_num_splits(b, -(-heads // decode.BLOCK_H), sms))
+    n = b * heads * splits
+    scratch = kernels.split_kv.SplitScratch(
+        torch.empty(n * rank, device=device), torch.empty(n, device=device), b
+    )
+    triton_launch = functools.partial(
+        decode.mla_decode, query, cache, table, seq_lens, out, starts, kv_lora_rank=rank,
+        scale=scale, num_splits=splits, scratch=scratch,
+    )  # fmt: skip
+    keys = cache.unsqueeze(2)
+    ref_out = torch.empty_like(out)
+    reference = functools.partial(
+        paged_attention_ref, query, keys, keys[..., :rank], table, starts.tolist(),
+        seq_lens.tolist(), scale, ref_out, num_decodes=b,
+    )  # fmt: skip
+    triton_launch()
+    reference()
+    err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
+    t_ms = _time(triton_launch, a.warmup, a.iters, device)
+    r_ms = _time(reference, a.warmup, a.iters, device)
+    read = b * (context + 1) * (rank + rope) * cache.element_size()
+    return dict(
+        batch=b, context=context, splits=splits, triton_us=1e3 * t_ms, reference_us=1e3 * r_ms,
+        triton_gbs=read / t_ms / 1e6, rel_err=err,
+    )  # fmt: skip
+
+
+def engine_part(a, device: str, dtype: torch.dtype) -> list[dict]:
+    from graphattn.models import MLAConfig, MLAForCausalLM, init_random_weights
+
+    cfg = (
+        MLAConfig.tiny()
+        if a.smoke
+        else MLAConfig(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=10944,
+            num_hidden_layers=a.layers,
+            num_attention_heads=a.heads,
+            kv_lora_rank=a.rank,
+            qk_rope_head_dim=a.rope,
+        )
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = init_random_weights(MLAForCausalLM(cfg)).to(dtype).eval()
+    rows = []
+    for backend, mode in (("TRITON_MLA", "FULL_AND_PIECEWISE"), ("TORCH_REF_MLA", "PIECEWISE")):
+        rows += _engine_rows(a, model, backend, mode, device)
+    return rows
+
+
+def _engine_rows(a, model, backend: str, mode: str, device: str) -> list[dict]:
+    """Decode steps of every batch size on one engine of ``backend`` in ``mode``."""
+    context, vocab, top = a.contexts[0], model.config.vocab_size, max(a.batches)
+    blocks_per = -(-(context + 2) // 16)
+    engine = ga.compile(
+        model,
+        cudagraph_mode=mode,
+        attention_backend=backend,
+        cudagraph_capture_sizes=sorted(set(a.batches)),
+        max_num_seqs=top,
+        max_num_tokens=max(512, top),
+        max_model_len=blocks_per * 16,
+        num_blocks=top * blocks_per + 1,
+    )
+    table = np.array(engine.kv_cache.allocate(top * blocks_per), np.int32)
+    table = table.reshape(top, blocks_per)
+    widths = np.full(top, blocks_per, np.int32)
+    rng = np.random.default_rng(0)
+    for r in range(top):  # the context, a chunk of at most 512 a step
+        for start in range(0, context, 512):
+            n = min(512, context - start)
+            engine.step(
+                ga.Batch.from_arrays(
+                    rng.integers(1, vocab, n), np.array([n], np.int32),
+                    np.array([start], np.int32), table[r : r + 1], widths[:1],
+                )
+            )  # fmt: skip
+    rows = []
+    for b in a.batches:
+        tokens = rng.integers(1, vocab, (a.warmup + a.iters, b))
+        batches = [
+            ga.Batch.from_arrays(
+                t, np.ones(b, np.int32), np.full(b, context, np.int32), table[:b], widths[:b]
+            )
+            for t in tokens
+        ]
+        queue = iter(batches)
+        step = functools.partial(_decode_step, engine, queue)
+        before = dict(engine.stats.runtime_modes)
+        ms = _time(step, a.warmup, a.iters, device)
+        ran = sorted(m for m, k in engine.stats.runtime_modes.items() if k != before.get(m))
+        rows.append(dict(backend=backend, mode=mode, batch=b, ms=ms, ran=ran))
+        print(f"engine {backend} ({mode}) bs {b}: {ms:.3f} ms a step, ran {ran}", flush=True)
+    return rows
+
+
+def _decode_step(engine: ga.CompiledModel, queue) -> torch.Tensor:
+    """One decode step of the next prepared batch (fresh tokens each), head and argmax."""
+    return ga.greedy(engine.compute_logits(engine.step(next(queue), clone=False)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--contexts", default="512,4096")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--rank", type=int, default=512)
+    p.add_argument("--rope", type=int, default=64)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--parts", default="kernel,engine")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", help="JSON path")
+    a = p.parse_args(argv)
+    if a.smoke:  # the interpreter: tiny shapes, few steps
+        a.batches, a.contexts, a.heads, a.rank, a.rope = "1,3", "40", 4, 64, 16
+        a.warmup, a.iters = 1, 2
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.contexts = [int(x) for x in a.contexts.split(",")]
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    parts = a.parts.split(",")
+    if "kernel" in parts:
+        result["kernel"] = kernel_part(a, device, dtype)
+    if "engine" in parts:
+        result["engine"] = engine_part(a, device, dtype)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
