@@ -35,6 +35,7 @@ from graphattn.attention.backend import (
     CommonAttentionMetadata,
 )
 from graphattn.attention.backends.torch_ref import TorchRefMetadata, TorchRefMetadataBuilder
+from graphattn.attention.backends.triton_attn import CPU_NUM_SMS
 from graphattn.attention.registry import register_backend
 from graphattn.kernels import triton_import_error
 from graphattn.kernels.attention_plan import choose_num_splits
@@ -147,7 +148,7 @@ class TritonMLAMetadataBuilder(TorchRefMetadataBuilder):
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda"
-            else 4  # the interpreter: a few "SMs", so tests see split launches
+            else CPU_NUM_SMS
         )
         self.scratch: dict[str, Any] = {}
 
