@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the checkout, then run the named parts, each logging under
-# $OUT. Parts: tests (pytest -m gpu; about 700 s since round 38, over one call's limit), tests-1 and
-# tests-2 (the same suite in two calls: files test_[a-f]*, then test_[g-z]*), attention
+# $OUT. Parts: tests (pytest -m gpu; about 700 s since round 38, over one call's limit), tests-1,
+# tests-2 and tests-3 (the same suite in three calls: files test_[a-f]*, test_[g-z]*, then round
+# 40's MLA and speculative-decoding files, which the first two leave out), attention
 # (benchmarks/attention.py), decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py),
 # splits (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
 # pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py),
@@ -29,8 +30,15 @@ for part in "$@"; do
   case "$part" in
     tests) eval "python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 ${GA_PYTEST_ARGS:-}" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40; rc=${PIPESTATUS[0]} ;;
-    tests-1|tests-2)  # the suite in two calls: since round 38 it outlasts one call's 600 s
-             [ "$part" = tests-1 ] && files=$(echo tests/test_[a-f]*.py) || files=$(echo tests/test_[g-z]*.py)
+    tests-1|tests-2|tests-3)  # the suite in three calls: since round 38 it outlasts one call's 600 s
+             # tests-3: round 40's MLA and speculative-decoding files; tests-1 and -2 the rest
+             third="tests/test_mla.py tests/test_spec_decode.py tests/test_benchmark_mla.py tests/test_benchmark_spec_decode.py"
+             case "$part" in
+               tests-1) files=$(echo tests/test_[a-f]*.py) ;;
+               tests-2) files=$(echo tests/test_[g-z]*.py) ;;
+               tests-3) files=$third ;;
+             esac
+             [ "$part" = tests-3 ] || files=$(for f in $files; do case " $third " in *" $f "*) ;; *) echo "$f" ;; esac; done | tr '\n' ' ')
              eval "python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 $files ${GA_PYTEST_ARGS:-}" 2>&1 \
              | tee "$OUT/gpu-$part.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     attention) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 \
