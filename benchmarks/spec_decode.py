@@ -5,7 +5,9 @@ request, logits for every one of them. Three rows per batch size B, on the decod
 benchmark's model (Llama-3.2-1B's shape, random weights, bf16, 512 cached tokens a request):
 
 - ``verify FULL``: an engine with ``uniform_decode_query_len=k+1``: the verify batch replays
-  a full decode graph;
+  a full decode graph, its attention on the decode tiles where one holds a request
+  (``TritonImpl.verify_decode_tiles``);
+- ``verify FULL, prefill tiles``: the same with that choice off (the tiles of mixed batches);
 - ``verify PIECEWISE``: an engine of the default length 1, where the same batch is a mixed
   batch and runs piecewise (what such an engine got before the option existed);
 - ``decode FULL``: that engine's plain one-token decode step of B requests, for scale.
@@ -31,13 +33,20 @@ import numpy as np
 import torch
 
 import graphattn as ga
+from graphattn.attention.backends.triton_attn import TritonImpl
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 from benchmarks import decode as D  # noqa: E402
 
-ROWS = ("verify FULL", "verify PIECEWISE", "decode FULL")
+ROWS = ("verify FULL", "verify FULL, prefill tiles", "verify PIECEWISE", "decode FULL")
+ENGINE_OF = {
+    "verify FULL": "spec",
+    "verify FULL, prefill tiles": "spec_prefill_tiles",
+    "verify PIECEWISE": "plain",
+    "decode FULL": "plain",
+}
 
 
 def verify_batch(pool: D.RequestPool, b: int, q: int, tokens: np.ndarray) -> ga.Batch:
@@ -68,18 +77,28 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_tokens": max(s.max_num_tokens, q * max(batches))
     }
     verify_sizes = [q * b for b in batches]
-    spec = ga.compile(
-        model, **base, uniform_decode_query_len=q, cudagraph_capture_sizes=verify_sizes
+    verify = dict(base, uniform_decode_query_len=q, cudagraph_capture_sizes=verify_sizes)
+    engines = {"spec": ga.compile(model, **verify)}
+    # the tile choice is read when the graphs are captured (inside compile), then per layer
+    TritonImpl.verify_decode_tiles = False
+    try:
+        engines["spec_prefill_tiles"] = ga.compile(model, **verify)
+    finally:
+        TritonImpl.verify_decode_tiles = True
+    for bound in engines["spec_prefill_tiles"].bound.values():
+        bound.impl.verify_decode_tiles = False
+    engines["plain"] = ga.compile(
+        model, **base, cudagraph_capture_sizes=sorted({*batches, *verify_sizes})
     )
-    plain = ga.compile(model, **base, cudagraph_capture_sizes=sorted({*batches, *verify_sizes}))
     pools = {}
-    for name, engine in (("spec", spec), ("plain", plain)):
+    for name, engine in engines.items():
         pools[name] = D.RequestPool(engine, s)
         pools[name].prefill(engine, list(range(max(batches))), np.random.default_rng(s.seed), s)
         print(f"{name}: resolved {engine.report.resolved_mode}", flush=True)
+    spec = engines["spec"]
 
     def step_fn(row: str, b: int, tokens: np.ndarray):
-        engine, pool = (spec, pools["spec"]) if row == "verify FULL" else (plain, pools["plain"])
+        engine, pool = engines[ENGINE_OF[row]], pools[ENGINE_OF[row]]
         if row == "decode FULL":
             return lambda i: ga.greedy(
                 engine.compute_logits(engine.step(pool.decode_batch(slice(0, b), tokens[i, :b])))
@@ -96,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             tokens = D.random_tokens(rng, model.vocab_size, (s.warmup + s.steps, b * q))
             for row in order:
-                engine = spec if row == "verify FULL" else plain
+                engine = engines[ENGINE_OF[row]]
                 before = dict(engine.stats.runtime_modes)
                 t = D.time_steps(step_fn(row, b, tokens), s.warmup, s.steps, s.device)
                 ran = [m for m, n in engine.stats.runtime_modes.items() if n != before.get(m, 0)]
@@ -106,25 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     agree = {}
     for b in batches:
         tokens = D.random_tokens(rng, model.vocab_size, b * q)
-        logits = [
-            e.compute_logits(e.step(verify_batch(pools[n], b, q, tokens))).float()
-            for n, e in (("spec", spec), ("plain", plain))
-        ]
+        logits = {
+            n: e.compute_logits(e.step(verify_batch(pools[n], b, q, tokens))).float()
+            for n, e in engines.items()
+        }
         agree[str(b)] = {
-            "max_abs_diff": float((logits[0] - logits[1]).abs().max()),
-            "same_argmax_fraction": float(
-                (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean()
-            ),
+            other: {
+                "max_abs_diff": float((logits["spec"] - logits[other]).abs().max()),
+                "same_argmax_fraction": float(
+                    (logits["spec"].argmax(-1) == logits[other].argmax(-1)).float().mean()
+                ),
+            }
+            for other in ("spec_prefill_tiles", "plain")
         }
     summary = {}
     for b in batches:
         row = {r: float(np.median(results[r][str(b)])) for r in ROWS}
         summary[str(b)] = row
-        print(
-            f"bs {b} x {q} tokens: verify FULL {row['verify FULL']:.4f} ms, verify PIECEWISE "
-            f"{row['verify PIECEWISE']:.4f} ms, decode FULL {row['decode FULL']:.4f} ms; "
-            f"logits {agree[str(b)]}"
-        )
+        print(f"bs {b} x {q} tokens: " + ", ".join(f"{r} {ms:.4f} ms" for r, ms in row.items()))
+        print(f"  logits against verify FULL: {agree[str(b)]}")
     if a.out:
         Path(a.out).write_text(
             json.dumps(

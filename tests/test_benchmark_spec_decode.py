@@ -32,10 +32,11 @@ def test_smoke_runs_every_row_and_the_verify_rows_agree(tmp_path):
     for b in ("1", "3"):
         assert set(result["summary_ms"][b]) == set(spec_decode.ROWS)
         assert all(v > 0 for v in result["summary_ms"][b].values())
-        # fp32 on the CPU (bf16 on the GPU): the two engines' logits of one verify batch
-        assert result["agree"][b]["same_argmax_fraction"] >= (
-            1.0 if not torch.cuda.is_available() else 0.9
-        )
+        # fp32 on the CPU (bf16 on the GPU): the other engines' logits of one verify batch
+        for other in ("spec_prefill_tiles", "plain"):
+            assert result["agree"][b][other]["same_argmax_fraction"] >= (
+                1.0 if not torch.cuda.is_available() else 0.9
+            )
     if not torch.cuda.is_available():
         assert {m for row in result["runtime_modes"].values() for m in row.values()} == {"NONE"}
 
@@ -46,6 +47,7 @@ def test_each_row_runs_its_mode(tmp_path):
     result = _run(tmp_path)
     modes = result["runtime_modes"]
     assert modes["verify FULL"] == {"1": "FULL", "3": "FULL"}
+    assert modes["verify FULL, prefill tiles"] == {"1": "FULL", "3": "FULL"}
     assert modes["verify PIECEWISE"] == {"1": "PIECEWISE", "3": "PIECEWISE"}
     assert modes["decode FULL"] == {"1": "FULL", "3": "FULL"}
     assert result["spec_capture"]["uniform_decode_query_len"] == 3

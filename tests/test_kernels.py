@@ -426,6 +426,11 @@ def test_plan_is_a_function_of_padded_sizes():
     assert decode.grid == (64 // 4 + 64, 8, 4)
     # a padded uniform decode batch (more padding tokens than padding requests)
     assert plan_attention(72, 64, uniform_decode=True, **kw).tiles.block_m == 16
+    # speculative-decoding verify batches: 4 tokens x 4 heads fill one decode tile; 5 do not
+    verify = plan_attention(256, 64, uniform_query_len=4, **kw)
+    assert verify.tiles == decode.tiles and verify.block_q == 4
+    assert verify.grid == (256 // 4 + 64, 8, 4)
+    assert plan_attention(320, 64, uniform_query_len=5, **kw).tiles == mixed.tiles
 
 
 @given(
@@ -879,6 +884,24 @@ def compile_for_hopper() -> list[dict]:
     )
     compiled = triton.compile(reduce, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     results.append(dict(case="reduce", shared=compiled.metadata.shared, spill=_spill(compiled)))
+    # a verify batch (4 tokens a request) on the decode tiles, its keys written apart
+    plan = plan_attention(
+        256, 64, num_heads=32, num_kv_heads=8, head_size=64, dtype=torch.bfloat16,
+        device_type="cuda", num_splits=4, uniform_query_len=4,
+    )  # fmt: skip
+    constants = ua.kernel_constants(
+        plan, block_size=16, dtype=torch.bfloat16, device_type="cuda", sliding=False,
+        soft_cap=False, pdl=True,
+    )  # fmt: skip
+    constants["WRITE_KV"] = False
+    options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
+    kernel = ua._attention_kernel
+    src = ASTSource(kernel, _signature(kernel, torch.bfloat16), constants, _aligned(kernel))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    results.append(
+        dict(case="verify G4 x4", shared=compiled.metadata.shared, spill=_spill(compiled))
+    )
+
     from graphattn.kernels import mla_decode
 
     mla = mla_decode._mla_decode_kernel  # DeepSeek-V2's entry (512 + 64) and a small one

@@ -259,6 +259,24 @@ def test_the_capture_batch_of_a_verify_key_is_uniform():
     assert cam.uniform_query_len is None
 
 
+def test_triton_plans_a_verify_graph_on_the_decode_tiles():
+    """The metadata of a verify key carries the length into TRITON's plan: 3 tokens x 4
+    heads a KV head fit one decode tile on CUDA (the prefill tiles' 128 rows would mask most
+    of theirs); with the choice off (benchmarks/spec_decode.py's comparison) the prefill
+    tiles. The interpreter has one tile shape for all."""
+    engine = _table_engine(TableAttentionModel(64, 8, 2, 64, seed=4), 3)
+    runner = engine.runner
+    (group,) = engine.attn_groups
+    (cam,) = runner.common_metadata(runner._synthetic_plan(M.FULL, BatchDescriptor(12, 4, True)))
+    md = group.builder.build(0, cam)
+    assert md.uniform_query_len == 3 and not md.uniform_decode
+    impl = next(iter(engine.bound.values())).impl
+    verify = impl.plan(md, torch.bfloat16, "cuda")
+    assert verify.tiles.block_m == 16 and verify.block_q == 4
+    impl.verify_decode_tiles = False
+    assert impl.plan(md, torch.bfloat16, "cuda").tiles.block_m == 128
+
+
 def test_uniform_single_token_decodes_keep_their_metadata_at_length_one():
     """An engine of the default length: a FULL key of decodes says uniform_decode (TRITON
     then writes keys and values inside its attention launch), as before."""

@@ -106,13 +106,17 @@ def plan_attention(
     num_splits: int = 1,
     uniform_decode: bool = False,
     tiles: TileConfig | None = None,
+    uniform_query_len: int | None = None,
 ) -> AttentionPlan:
     """The launch for ``num_tokens`` tokens of ``num_reqs`` requests (both padded).
 
     ``num_splits`` > 1 asks for split-KV; it is capped so the partial results fit the
     scratch (``SPLIT_SLOTS`` rows per token and KV head). ``uniform_decode`` (every request
     has one query token; a captured graph's key fixes it) picks decode tiles even where
-    padding tokens outnumber padding requests. ``tiles`` overrides the table.
+    padding tokens outnumber padding requests. ``uniform_query_len`` (every request has that
+    many query tokens, as a speculative-decoding verify graph's key fixes) picks them too
+    where one decode tile holds a request's rows (its tokens times the padded group).
+    ``tiles`` overrides the table.
     """
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
@@ -120,7 +124,11 @@ def plan_attention(
     if group > MAX_GROUP:
         raise ValueError(f"at most {MAX_GROUP} query heads per KV head, got {group}")
     group_pad = _next_power_of_2(group)
-    decode_like = uniform_decode or num_tokens <= num_reqs
+    decode_like = (
+        uniform_decode
+        or num_tokens <= num_reqs
+        or (uniform_query_len is not None and uniform_query_len * group_pad <= max(16, group_pad))
+    )
     if tiles is None:
         tiles = choose_tiles(head_size, dtype, group_pad, decode_like, device_type)
     if tiles.block_m % group_pad or tiles.block_m < 16:

@@ -56,6 +56,7 @@ class TritonMetadata:
     num_reqs: int  # padded
     num_splits: int  # split-KV splits asked for (the impl caps them by its head group)
     uniform_decode: bool  # every request has one query token (part of a graph's key)
+    uniform_query_len: int | None  # every request has this many (a verify graph's key)
     write_kv_in_attention: bool  # decodes where cam.fuse_kv_update allows: forward writes K/V
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
@@ -97,6 +98,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             cam.num_reqs,
             self.num_splits(cam.num_input_tokens, cam.num_reqs),
             cam.uniform_decode,
+            cam.uniform_query_len,
             cam.uniform_decode and cam.fuse_kv_update,
             cam.query_start_loc,
             cam.seq_lens,
@@ -126,6 +128,12 @@ class TritonImpl(AttentionImpl):
     """One layer's launches; the kernels are looked up per call (a cached import), so a
     layer can name TRITON where Triton is missing and still get selection's clear error.
     """
+
+    # Speculative-decoding verify batches (uniform, a few tokens a request) take the decode
+    # tiles where one holds a request (attention_plan): 16 rows for Llama-3.2-1B's 4 tokens
+    # x 4 heads, where the prefill tiles' 128 rows would mask 7 of 8. Chosen by the rows, not
+    # yet measured: benchmarks/spec_decode.py sets it False on one engine to compare.
+    verify_decode_tiles = True
 
     def forward(
         self,
@@ -207,6 +215,7 @@ class TritonImpl(AttentionImpl):
             device_type=device_type,
             num_splits=md.num_splits,
             uniform_decode=md.uniform_decode,
+            uniform_query_len=md.uniform_query_len if self.verify_decode_tiles else None,
         )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
