@@ -2,13 +2,15 @@
 
 1. The kernel (``kernels/mla_decode.py``) at DeepSeek-V2's entry (512 + 64) and 16 heads
    (DeepSeek-V2-Lite), bf16, for each batch and context: microseconds a launch (its split
-   reduction included) and the entries read per second, against the plain-PyTorch
-   reference TORCH_REF_MLA runs (``paged_attention_ref``), on the same random cache.
+   reduction included) and the entries read per second, timed as ``benchmarks/attention.py``
+   times (one CUDA graph of many calls over caches that together are twice the L2), and its
+   difference from the plain-PyTorch reference TORCH_REF_MLA runs (``paged_attention_ref``).
 2. A decode step (``engine.step`` + head + greedy) of ``MLAForCausalLM`` at DeepSeek-V2-Lite's
    attention shape with ``--layers`` dense layers, for TRITON_MLA under
    FULL_AND_PIECEWISE (decodes replay full graphs) and TORCH_REF_MLA (lowered to PIECEWISE).
 
-CUDA events after warm-up, medians, fresh random tokens each step.
+The steps are timed as ``benchmarks/decode.py`` times them (CUDA events after warm-up,
+medians, fresh random tokens each step).
 
     python benchmarks/mla.py --out $OUT/mla.json     # CUDA; scripts/device_run.sh mla
     python benchmarks/mla.py --smoke                 # CPU plumbing (interpreter), no results
@@ -19,9 +21,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
+import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,26 +33,8 @@ import graphattn as ga
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
-
-
-def _time(fn, warmup: int, iters: int, device: str) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on the GPU, wall time elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(times)
+from benchmarks import attention as A  # noqa: E402
+from benchmarks import decode as D  # noqa: E402
 
 
 def kernel_part(a, device: str, dtype: torch.dtype) -> list[dict]:
@@ -63,15 +46,18 @@ def kernel_part(a, device: str, dtype: torch.dtype) -> list[dict]:
             rows.append(row)
             print(
                 f"kernel bs {b} ctx {context}: TRITON_MLA {row['triton_us']:.1f} us "
-                f"({row['triton_gbs']:.0f} GB/s, {row['splits']} splits), reference "
-                f"{row['reference_us']:.1f} us, rel err {row['rel_err']:.2e}",
+                f"({row['triton_gbs']:.0f} GB/s, {row['splits']} splits, {row['sets']} cache "
+                f"sets), rel err against the reference {row['rel_err']:.2e}",
                 flush=True,
             )
     return rows
 
 
 def _kernel_case(a, b: int, context: int, sms: int, device: str, dtype: torch.dtype) -> dict:
-    """One batch of ``b`` requests of ``context`` + 1 entries: both computations timed."""
+    """One batch of ``b`` requests of ``context`` + 1 entries: the kernel timed over enough
+    caches that together they are twice the L2 (none is found there; ``benchmarks/
+    attention.py``'s rotation in one CUDA graph, so no launch cost is timed), the reference
+    on one of them, and their difference."""
     from graphattn.attention.backends.mla import _mla_kernels
     from graphattn.kernels.attention_plan import choose_num_splits
     from graphattn.kernels.reference import paged_attention_ref
@@ -81,7 +67,16 @@ def _kernel_case(a, b: int, context: int, sms: int, device: str, dtype: torch.dt
     scale = (rank + rope) ** -0.5
     width = -(-(context + 1) // block)
     gen = torch.Generator(device).manual_seed(b * 7 + context)
-    cache = torch.randn(b * width, block, rank + rope, device=device, generator=gen).to(dtype)
+    entry_bytes = (rank + rope) * (2 if dtype != torch.float32 else 4)
+    per_set = b * width * block * entry_bytes
+    l2 = A.DEFAULT_L2
+    if device == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", l2)
+    n_sets = 1 if a.smoke else max(1, min(256, -(-2 * l2 // per_set)))  # 155 MB at most
+    caches = [
+        torch.randn(b * width, block, rank + rope, device=device, generator=gen).to(dtype)
+        for _ in range(n_sets)
+    ]
     table = torch.arange(b * width, device=device, dtype=torch.int32).view(b, width)
     seq_lens = torch.full((b,), context + 1, dtype=torch.int32, device=device)
     starts = torch.arange(b + 1, dtype=torch.int32, device=device)
@@ -93,25 +88,27 @@ def _kernel_case(a, b: int, context: int, sms: int, device: str, dtype: torch.dt
     scratch = kernels.split_kv.SplitScratch(
         torch.empty(n * rank, device=device), torch.empty(n, device=device), b
     )
-    triton_launch = functools.partial(
-        decode.mla_decode, query, cache, table, seq_lens, out, starts, kv_lora_rank=rank,
-        scale=scale, num_splits=splits, scratch=scratch,
-    )  # fmt: skip
-    keys = cache.unsqueeze(2)
+    launch = functools.partial(
+        decode.mla_decode, kv_lora_rank=rank, scale=scale, num_splits=splits, scratch=scratch
+    )
+    calls = [
+        functools.partial(launch, query, cache, table, seq_lens, out, starts) for cache in caches
+    ]
+    keys = caches[0].unsqueeze(2)
     ref_out = torch.empty_like(out)
     reference = functools.partial(
         paged_attention_ref, query, keys, keys[..., :rank], table, starts.tolist(),
         seq_lens.tolist(), scale, ref_out, num_decodes=b,
     )  # fmt: skip
-    triton_launch()
+    calls[0]()
     reference()
     err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
-    t_ms = _time(triton_launch, a.warmup, a.iters, device)
-    r_ms = _time(reference, a.warmup, a.iters, device)
-    read = b * (context + 1) * (rank + rope) * cache.element_size()
+    timed = A.time_rotating(calls, torch.device(device), a.iters, a.smoke)
+    t_ms = 1e3 * timed["seconds"]
+    read = b * (context + 1) * entry_bytes
     return dict(
-        batch=b, context=context, splits=splits, triton_us=1e3 * t_ms, reference_us=1e3 * r_ms,
-        triton_gbs=read / t_ms / 1e6, rel_err=err,
+        batch=b, context=context, splits=splits, sets=n_sets, triton_us=1e3 * t_ms,
+        triton_gbs=read / t_ms / 1e6, rel_err=err, method=timed["method"],
     )  # fmt: skip
 
 
@@ -176,19 +173,19 @@ def _engine_rows(a, model, backend: str, mode: str, device: str) -> list[dict]:
             )
             for t in tokens
         ]
-        queue = iter(batches)
-        step = functools.partial(_decode_step, engine, queue)
+        step = functools.partial(_decode_step, engine, batches)
         before = dict(engine.stats.runtime_modes)
-        ms = _time(step, a.warmup, a.iters, device)
+        timed = D.time_steps(step, a.warmup, a.iters, device)  # as the decode benchmark times
+        ms = timed["median_ms"]
         ran = sorted(m for m, k in engine.stats.runtime_modes.items() if k != before.get(m))
-        rows.append(dict(backend=backend, mode=mode, batch=b, ms=ms, ran=ran))
+        rows.append(dict(backend=backend, mode=mode, batch=b, context=context, ms=ms, ran=ran))
         print(f"engine {backend} ({mode}) bs {b}: {ms:.3f} ms a step, ran {ran}", flush=True)
     return rows
 
 
-def _decode_step(engine: ga.CompiledModel, queue) -> torch.Tensor:
-    """One decode step of the next prepared batch (fresh tokens each), head and argmax."""
-    return ga.greedy(engine.compute_logits(engine.step(next(queue), clone=False)))
+def _decode_step(engine: ga.CompiledModel, batches: list[ga.Batch], i: int) -> torch.Tensor:
+    """Decode step ``i``: its own prepared batch (fresh tokens each), head and argmax."""
+    return ga.greedy(engine.compute_logits(engine.step(batches[i], clone=False)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:  # the interpreter: tiny shapes, few steps
         a.batches, a.contexts, a.heads, a.rank, a.rope = "1,3", "40", 4, 64, 16
         a.warmup, a.iters = 1, 2
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"

@@ -9,7 +9,8 @@ benchmark's model (Llama-3.2-1B's shape, random weights, bf16, 512 cached tokens
   (``TritonImpl.verify_decode_tiles``);
 - ``verify FULL, prefill tiles``: the same with that choice off (the tiles of mixed batches);
 - ``verify PIECEWISE``: an engine of the default length 1, where the same batch is a mixed
-  batch and runs piecewise (what such an engine got before the option existed);
+  batch and runs piecewise, on the prefill tiles (what such an engine got before the
+  option existed);
 - ``decode FULL``: that engine's plain one-token decode step of B requests, for scale.
 
 A step is ``engine.step(batch, clone=False)``, ``compute_logits`` over every row and
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     engines["plain"] = ga.compile(
         model, **base, cudagraph_capture_sizes=sorted({*batches, *verify_sizes})
     )
+    # its verify batches run piecewise, attention eagerly: planned each step, on the prefill
+    # tiles as before the option existed (its one-token decodes are not affected)
+    for bound in engines["plain"].bound.values():
+        bound.impl.verify_decode_tiles = False
     pools = {}
     for name, engine in engines.items():
         pools[name] = D.RequestPool(engine, s)

@@ -245,6 +245,30 @@ def test_the_decode_kernel_matches_the_reference(
     assert rel_err(out[real].float(), ref[real]) < tol
 
 
+def test_the_decode_kernel_refuses_what_it_cannot_read():
+    """A block table whose rows are not contiguous (the kernel indexes a row directly), too
+    few sequence lengths, a scratch of another dtype: a ValueError before the launch."""
+    from graphattn.kernels import mla_decode, split_kv
+
+    cache = torch.randn(8, 16, 80)
+    query, out = torch.randn(2, 4, 80), torch.empty(2, 4, 64)
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    lens, starts = torch.tensor([5, 9], dtype=torch.int32), torch.arange(3, dtype=torch.int32)
+    kw = dict(kv_lora_rank=64, scale=0.1, num_splits=1, scratch=None)
+    mla_decode.mla_decode(query, cache, table, lens, out, starts, **kw)  # fine as it is
+    with pytest.raises(ValueError, match="block_table must be contiguous in its last dim"):
+        mla_decode.mla_decode(query, cache, table[:, ::2], lens, out, starts, **kw)
+    with pytest.raises(ValueError, match="seq_lens"):
+        mla_decode.mla_decode(query, cache, table, lens[:1], out, starts, **kw)
+    bad = split_kv.SplitScratch(
+        torch.empty(2 * 4 * 2 * 64, dtype=torch.float64), torch.empty(16), 2
+    )
+    with pytest.raises(ValueError, match=r"scratch\.out must be float32"):
+        mla_decode.mla_decode(
+            query, cache, table, lens, out, starts, **{**kw, "num_splits": 2, "scratch": bad}
+        )
+
+
 def test_triton_mla_through_the_engine_matches_dense_mla():
     """Mixed batches (TORCH_REF_MLA's computation), then one-token decodes (the kernel, with
     splits on the interpreter's four "SMs"), on one engine."""

@@ -81,11 +81,6 @@ class AttentionPlan:
         num_tiles = self.num_tokens // self.block_q + self.num_reqs
         return (num_tiles, self.num_kv_heads, self.num_splits)
 
-    @property
-    def reduce_grid(self) -> tuple[int, int]:
-        """Grid of the split reduction: one program per (token, query head)."""
-        return (self.num_tokens, self.num_kv_heads * self.group)
-
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per (request, KV head) so that few long sequences still fill ``WAVES`` waves."""

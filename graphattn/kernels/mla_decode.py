@@ -26,18 +26,42 @@ import triton
 import triton.language as tl
 
 from graphattn.kernels import split_kv
-from graphattn.kernels.checks import expect_dim, expect_dtype, expect_ndim, expect_same_device
+from graphattn.kernels.checks import (
+    expect_dim,
+    expect_dtype,
+    expect_min_dim,
+    expect_ndim,
+    expect_same_device,
+    expect_unit_last_stride,
+)
 
 LOG2E = 1.4426950408889634
 BLOCK_H = 16  # heads a program: tl.dot needs 16 rows; fewer heads are masked
 MAX_SPLITS = 8  # the scratch holds max requests x heads x this many partial rows
 
 
-def launch_config(dtype: torch.dtype) -> tuple[int, int]:
-    """(entries a loop trip, warps): compiled for sm_90 at DeepSeek-V2's 512 + 64 these
-    spill no registers (bf16 and fp16: 32 and 4; fp32: 16 and 8, where 32 and 8 spilled;
-    tests/test_kernels.py checks)."""
-    return (16, 8) if dtype == torch.float32 else (32, 4)
+def kernel_constants(
+    kv_lora_rank: int, rope: int, dtype: torch.dtype, block_size: int, split: bool, device_type: str
+) -> dict:
+    """The kernel's constexprs and launch options. Entries a loop trip and warps: compiled for
+    sm_90 at DeepSeek-V2's 512 + 64 these spill no registers (bf16 and fp16: 32 and 4;
+    fp32: 16 and 8, where 32 and 8 spilled; tests/test_kernels.py checks)."""
+    tile_n, num_warps = (16, 8) if dtype == torch.float32 else (32, 4)
+    return dict(
+        LATENT=kv_lora_rank,
+        L_PAD=max(16, triton.next_power_of_2(kv_lora_rank)),  # tl.dot needs K and N >= 16
+        ROPE=rope,
+        R_PAD=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=BLOCK_H,
+        TILE_N=tile_n,
+        BLOCK_SIZE=block_size,
+        SPLIT=split,
+        # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584): fp32 copies
+        DOT_FP32=device_type == "cpu" and dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=2,
+    )
 
 
 def mla_decode(
@@ -56,14 +80,18 @@ def mla_decode(
     """Attention of each request's one token over its ``seq_lens[r]`` entries, into ``output``."""
     num_reqs, num_heads, entry = query.shape
     rope = entry - kv_lora_rank
-    _check(query, cache, block_table, seq_lens, output, kv_lora_rank, num_splits, scratch)
+    _check(
+        query, cache, block_table, seq_lens, output, query_start_loc, kv_lora_rank, num_splits,
+        scratch,
+    )  # fmt: skip
     if num_reqs == 0:
         return output
     split = num_splits > 1
     part_out = scratch.out if split else output
     part_lse = scratch.lse if split else output
-    on_cpu = query.device.type == "cpu"
-    tile_n, num_warps = launch_config(query.dtype)
+    constants = kernel_constants(
+        kv_lora_rank, rope, query.dtype, cache.shape[1], split, query.device.type
+    )
     grid = (num_reqs, triton.cdiv(num_heads, BLOCK_H), num_splits)
     _mla_decode_kernel[grid](
         query,
@@ -82,26 +110,18 @@ def mla_decode(
         block_table.stride(0),
         output.stride(0),
         output.stride(1),
-        LATENT=kv_lora_rank,
-        L_PAD=triton.next_power_of_2(kv_lora_rank),
-        ROPE=rope,
-        R_PAD=max(16, triton.next_power_of_2(rope)),
-        BLOCK_H=BLOCK_H,
-        TILE_N=tile_n,
-        BLOCK_SIZE=cache.shape[1],
-        SPLIT=split,
-        # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584): fp32 copies
-        DOT_FP32=on_cpu and query.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=2,
+        **constants,
     )
     if split:
-        split_kv.reduce_rows(scratch, output, query_start_loc, num_reqs, num_splits, kv_lora_rank)
+        split_kv.reduce_rows(
+            scratch, output, query_start_loc, num_reqs, num_reqs, num_splits, kv_lora_rank
+        )
     return output
 
 
-def _check(query, cache, block_table, seq_lens, output, rank, num_splits, scratch) -> None:
+def _check(
+    query, cache, block_table, seq_lens, output, query_start_loc, rank, num_splits, scratch
+) -> None:
     expect_ndim("query", query, 3, "[num_reqs, num_heads, kv_lora_rank + rope]")
     expect_ndim("cache", cache, 3, "[num_blocks, block_size, kv_lora_rank + rope]")
     expect_ndim("output", output, 3, "[num_reqs, num_heads, kv_lora_rank]")
@@ -113,14 +133,20 @@ def _check(query, cache, block_table, seq_lens, output, rank, num_splits, scratc
     expect_dim("output", output, 1, num_heads, "num_heads")
     expect_dim("output", output, 2, rank, "kv_lora_rank")
     expect_dtype("cache", cache, (query.dtype,))
-    expect_dtype("block_table", block_table, (torch.int32,))
-    expect_dtype("seq_lens", seq_lens, (torch.int32,))
+    expect_dtype("output", output, (query.dtype,))
+    expect_ndim("block_table", block_table, 2, "[num_reqs, max_blocks]")
+    expect_min_dim("block_table", block_table, 0, num_reqs, "num_reqs")
+    expect_min_dim("seq_lens", seq_lens, 0, num_reqs, "num_reqs")
+    expect_min_dim("query_start_loc", query_start_loc, 0, num_reqs + 1, "num_reqs + 1")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        expect_dtype(name, t, (torch.int32,))
+    expect_dtype("query_start_loc", query_start_loc, (torch.int32,))
     for name, t in (("query", query), ("cache", cache), ("output", output)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dimension must be contiguous, got {t.stride()}")
-    expect_same_device(
-        {"query": query, "cache": cache, "block_table": block_table, "seq_lens": seq_lens}
-    )
+        expect_unit_last_stride(name, t)
+    expect_unit_last_stride("block_table", block_table)
+    named = {"query": query, "cache": cache, "output": output, "block_table": block_table}
+    named |= {"seq_lens": seq_lens, "query_start_loc": query_start_loc}
+    expect_same_device(named)
     if num_splits > 1:
         rows = num_reqs * num_heads * num_splits
         if scratch is None or scratch.lse.numel() < rows or scratch.out.numel() < rows * rank:
@@ -128,6 +154,11 @@ def _check(query, cache, block_table, seq_lens, output, rank, num_splits, scratc
                 f"{num_splits} splits of {num_reqs} requests x {num_heads} heads need a scratch "
                 f"of {rows} rows of {rank}"
             )
+        for name, t in (("scratch.out", scratch.out), ("scratch.lse", scratch.lse)):
+            if t.dtype != torch.float32 or t.device != query.device:
+                raise ValueError(
+                    f"{name} must be float32 on {query.device}, got {t.dtype} on {t.device}"
+                )
 
 
 @triton.jit(do_not_specialize=["num_heads"])

@@ -110,22 +110,26 @@ def reduce_splits(
 ) -> None:
     """Merge the partial results of every real token into ``output`` (padding rows: untouched
     past the last request, zero for requests without keys)."""
-    reduce_rows(scratch, output, query_start_loc, plan.num_reqs, plan.num_splits, plan.head_size)
+    reduce_rows(
+        scratch, output, query_start_loc, plan.num_tokens, plan.num_reqs, plan.num_splits,
+        plan.head_size,
+    )  # fmt: skip
 
 
 def reduce_rows(
     scratch: SplitScratch,
-    output: torch.Tensor,  # [T, H, D]
+    output: torch.Tensor,  # [>= T, H, D]
     query_start_loc: torch.Tensor,  # [R + 1] int32
+    num_tokens: int,
     num_reqs: int,
     num_splits: int,
     head_size: int,
 ) -> None:
-    """``reduce_splits`` for any launch that stored its partial rows in this layout,
-    ``[T, H, S, head_size]`` and ``[T, H, S]`` (the MLA decode kernel's too): one program
-    per (token, head) of ``output``."""
+    """``reduce_splits`` for any launch that stored the partial rows of ``num_tokens`` tokens
+    in this layout, ``[T, H, S, head_size]`` and ``[T, H, S]`` (the MLA decode kernel's
+    too): one program per (token, head)."""
     pdl = launch_options(output.device)
-    _reduce_kernel[(output.shape[0], output.shape[1])](
+    _reduce_kernel[(num_tokens, output.shape[1])](
         scratch.out,
         scratch.lse,
         output,

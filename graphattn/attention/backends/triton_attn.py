@@ -129,10 +129,11 @@ class TritonImpl(AttentionImpl):
     layer can name TRITON where Triton is missing and still get selection's clear error.
     """
 
-    # Speculative-decoding verify batches (uniform, a few tokens a request) take the decode
-    # tiles where one holds a request (attention_plan): 16 rows for Llama-3.2-1B's 4 tokens
-    # x 4 heads, where the prefill tiles' 128 rows would mask 7 of 8. Chosen by the rows, not
-    # yet measured: benchmarks/spec_decode.py sets it False on one engine to compare.
+    # Uniform batches of a few tokens a request (speculative-decoding verify graphs, and
+    # eager or piecewise steps whose requests all have that many) take the decode tiles where
+    # one holds a request (attention_plan): 16 rows for Llama-3.2-1B's 4 tokens x 4 heads,
+    # where the prefill tiles' 128 rows would mask 7 of 8. Chosen by the rows, not yet
+    # measured: benchmarks/spec_decode.py sets it False on one engine to compare.
     verify_decode_tiles = True
 
     def forward(
