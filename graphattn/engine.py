@@ -504,6 +504,7 @@ class CompiledModel:
             kernels=dict(self.kernel_settings),
             startup_seconds=seconds,
             mode_on_cuda=self.mode_on_cuda,
+            uniform_decode_query_len=self.config.uniform_decode_query_len,
         )
 
 

@@ -51,6 +51,8 @@ class Report:
     startup_seconds: float = 0.0
     # off CUDA, what the requested mode would resolve to on a CUDA device (None on CUDA)
     mode_on_cuda: str | None = None
+    # the query tokens of each request in the batches full decode graphs serve
+    uniform_decode_query_len: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -62,6 +64,11 @@ class Report:
         ]
         if self.mode_on_cuda is not None:
             lines.append(f"on a CUDA device: {self.mode_on_cuda}")
+        if self.uniform_decode_query_len > 1:
+            lines.append(
+                f"decode graphs serve batches of {self.uniform_decode_query_len} tokens a "
+                "request (uniform_decode_query_len: speculative decoding's verify steps)"
+            )
         lines += (
             ["fallbacks:"] + [f"  - {f}" for f in self.fallbacks]
             if self.fallbacks

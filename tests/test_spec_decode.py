@@ -243,6 +243,15 @@ def test_verify_batches_pad_with_whole_requests(monkeypatch):
     assert engine.stats.fallbacks[dispatcher.dispatch(5, 5, False).fallback] == 1
 
 
+def test_the_report_says_what_the_decode_graphs_serve():
+    engine = _table_engine(TableAttentionModel(64, 8, 2, 64, seed=4), 3)
+    assert engine.report.uniform_decode_query_len == 3
+    assert "decode graphs serve batches of 3 tokens a request" in str(engine.report)
+    assert engine.report.to_dict()["uniform_decode_query_len"] == 3
+    plain = _table_engine(TableAttentionModel(64, 8, 2, 64, seed=4), 1)
+    assert "decode graphs serve" not in str(plain.report)
+
+
 def test_the_capture_batch_of_a_verify_key_is_uniform():
     """What a capture records for a uniform key of 3 tokens a request: 3 each, not a long
     first request and one-token rest (as a mixed key's synthetic batch has)."""
