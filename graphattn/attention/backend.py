@@ -342,11 +342,7 @@ class AttentionBackend(ABC):
     @classmethod
     def validate_configuration(cls, cfg: AttentionSelectorConfig) -> list[str]:
         """Every reason this backend cannot serve ``cfg``; an empty list means it can."""
-        reasons = []
-        if cfg.use_mla and not cls.is_mla():
-            reasons.append("an MLA layer (ga.MLAAttention) needs an MLA backend")
-        elif cls.is_mla() and not cfg.use_mla:
-            reasons.append("an MLA backend serves only ga.MLAAttention layers")
+        reasons = []  # the kind (is_mla against cfg.use_mla) is selection's to check
         if cfg.device_type not in cls.supported_devices:
             reasons.append(f"device {cfg.device_type} not in {list(cls.supported_devices)}")
         if not cls.supports_head_size(cfg.head_size):

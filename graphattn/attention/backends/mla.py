@@ -65,18 +65,25 @@ class TorchRefMLAImpl(AttentionImpl):
         valid = slots >= 0
         entries = kv_cache.view(-1, kv_cache.shape[-1])  # [slots, entry]
         entries.index_copy_(0, slots[valid], key[:n, 0][valid].to(kv_cache.dtype))
-        keys = kv_cache.unsqueeze(2)  # [NB, BS, 1, entry]: one KV head
-        return paged_attention_ref(
-            query,
-            keys,
-            keys[..., : value.shape[-1]],
-            md.block_table,
-            md.query_start_loc,
-            md.seq_lens,
-            self.scale,
-            output,
-            num_decodes=md.num_decodes,
-        )
+        return reference_attention(query, kv_cache, value.shape[-1], md, self.scale, output)
+
+
+def reference_attention(
+    query: torch.Tensor,  # [T, H, kv_lora_rank + rope]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope]
+    kv_lora_rank: int,
+    md: TorchRefMetadata,
+    scale: float,
+    output: torch.Tensor,  # [T, H, kv_lora_rank]
+) -> torch.Tensor:
+    """MLA over cache entries already written, in plain PyTorch: one KV head whose values
+    are the entries' first ``kv_lora_rank`` columns (TORCH_REF_MLA, and TRITON_MLA's
+    batches that are not all one-token decodes)."""
+    keys = kv_cache.unsqueeze(2)  # [NB, BS, 1, entry]
+    return paged_attention_ref(
+        query, keys, keys[..., :kv_lora_rank], md.block_table, md.query_start_loc,
+        md.seq_lens, scale, output, num_decodes=md.num_decodes,
+    )  # fmt: skip
 
 
 class TorchRefMLABackend(AttentionBackend):
@@ -192,11 +199,7 @@ class TritonMLAImpl(AttentionImpl):
         kernels.kv_cache_write.write_kv_cache(key, key, entries, entries, md.slot_mapping)
         rank = value.shape[-1]
         if not md.uniform_decode:  # prefills: eagerly, as TORCH_REF_MLA does
-            ref = md.ref
-            return paged_attention_ref(
-                query, entries, entries[..., :rank], ref.block_table, ref.query_start_loc,
-                ref.seq_lens, self.scale, output, num_decodes=ref.num_decodes,
-            )  # fmt: skip
+            return reference_attention(query, kv_cache, rank, md.ref, self.scale, output)
         r, heads = md.num_reqs, query.shape[1]
         decode = kernels.mla_decode
         splits = min(
