@@ -1,11 +1,15 @@
-"""MLA decode on the GPU: TRITON_MLA's kernel, and a decode step of an MLA model per backend.
+"""MLA on the GPU: TRITON_MLA's kernels, and a decode step of an MLA model per backend.
 
-1. The kernel (``kernels/mla_decode.py``) at DeepSeek-V2's entry (512 + 64) and 16 heads
+1. The decode kernel (``kernels/mla_attention.py``) at DeepSeek-V2's entry (512 + 64) and 16 heads
    (DeepSeek-V2-Lite), bf16, for each batch and context: microseconds a launch (its split
    reduction included) and the entries read per second, timed as ``benchmarks/attention.py``
    times (one CUDA graph of many calls over caches that together are twice the L2), and its
    difference from the plain-PyTorch reference TORCH_REF_MLA runs (``paged_attention_ref``).
-2. A decode step (``engine.step`` + head + greedy) of ``MLAForCausalLM`` at DeepSeek-V2-Lite's
+2. The causal kernel (``mla_attention``, any batch) on prefills of one request, after
+   ``--prefill-context`` cached entries: microseconds a launch (one CUDA graph of many
+   calls), TFLOP/s, and the reference's eager time (TORCH_REF_MLA's per-request loop, CUDA
+   events, median) beside it, with their difference.
+3. A decode step (``engine.step`` + head + greedy) of ``MLAForCausalLM`` at DeepSeek-V2-Lite's
    attention shape with ``--layers`` dense layers, for TRITON_MLA under
    FULL_AND_PIECEWISE (decodes replay full graphs) and TORCH_REF_MLA (lowered to PIECEWISE).
 
@@ -22,7 +26,9 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +88,7 @@ def _kernel_case(a, b: int, context: int, sms: int, device: str, dtype: torch.dt
     starts = torch.arange(b + 1, dtype=torch.int32, device=device)
     query = torch.randn(b, heads, rank + rope, device=device, generator=gen).to(dtype)
     out = torch.empty(b, heads, rank, device=device, dtype=dtype)
-    decode = kernels.mla_decode
+    decode = kernels.mla_attention
     splits = min(decode.MAX_SPLITS, choose_num_splits(b, -(-heads // decode.BLOCK_H), sms))
     n = b * heads * splits
     scratch = kernels.split_kv.SplitScratch(
@@ -110,6 +116,67 @@ def _kernel_case(a, b: int, context: int, sms: int, device: str, dtype: torch.dt
         batch=b, context=context, splits=splits, sets=n_sets, triton_us=1e3 * t_ms,
         triton_gbs=read / t_ms / 1e6, rel_err=err, method=timed["method"],
     )  # fmt: skip
+
+
+def prefill_part(a, device: str, dtype: torch.dtype) -> list[dict]:
+    from graphattn.attention.backends.mla import _mla_kernels
+    from graphattn.kernels.reference import paged_attention_ref
+
+    kernels = _mla_kernels()
+    rank, rope, heads, block = a.rank, a.rope, a.heads, 16
+    scale = (rank + rope) ** -0.5
+    rows = []
+    for n in a.prefills:
+        context = a.prefill_context
+        total = context + n
+        width = -(-total // block)
+        gen = torch.Generator(device).manual_seed(n)
+        cache = torch.randn(width, block, rank + rope, device=device, generator=gen).to(dtype)
+        table = torch.arange(width, device=device, dtype=torch.int32).view(1, width)
+        seq_lens = torch.tensor([total], dtype=torch.int32, device=device)
+        starts = torch.tensor([0, n], dtype=torch.int32, device=device)
+        query = torch.randn(n, heads, rank + rope, device=device, generator=gen).to(dtype)
+        out, ref_out = (torch.empty(n, heads, rank, device=device, dtype=dtype) for _ in "ab")
+        call = functools.partial(
+            kernels.mla_attention.mla_attention, query, cache, table, seq_lens, out, starts,
+            num_reqs=1, kv_lora_rank=rank, scale=scale,
+        )  # fmt: skip
+        keys = cache.unsqueeze(2)
+        reference = functools.partial(
+            paged_attention_ref, query, keys, keys[..., :rank], table, [0, n], [total], scale,
+            ref_out,
+        )  # fmt: skip
+        timed = A.time_rotating([call], torch.device(device), a.iters, a.smoke)
+        ref_ms = _eager_median_ms(reference, device, 3 if a.smoke else 10)
+        err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
+        # scores (rank + rope) and values (rank): 2 flops a multiply-add, causal pairs
+        pairs = n * context + n * (n + 1) / 2
+        flops = 2 * heads * pairs * (2 * rank + rope)
+        us = 1e6 * timed["seconds"]
+        row = dict(
+            tokens=n, context=context, triton_us=us, triton_tflops=flops / us / 1e6,
+            reference_ms=ref_ms, rel_err=err, method=timed["method"],
+        )  # fmt: skip
+        rows.append(row)
+        print(
+            f"prefill {n} after {context}: TRITON_MLA {us:.1f} us ({row['triton_tflops']:.1f} "
+            f"TFLOP/s), reference {ref_ms:.2f} ms eager, rel err {err:.2e}",
+            flush=True,
+        )
+    return rows
+
+
+def _eager_median_ms(fn, device: str, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            times.append(1e3 * A._event_seconds(fn))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def engine_part(a, device: str, dtype: torch.dtype) -> list[dict]:
@@ -192,29 +259,35 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="512,4096")
+    p.add_argument("--prefills", default="512,2048", help="new tokens of the prefill rows")
+    p.add_argument("--prefill-context", type=int, default=0, help="cached entries before them")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--rank", type=int, default=512)
     p.add_argument("--rope", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--parts", default="kernel,engine")
+    p.add_argument("--parts", default="kernel,prefill,engine")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", help="JSON path")
     a = p.parse_args(argv)
     if a.smoke:  # the interpreter: tiny shapes, few steps
         a.batches, a.contexts, a.heads, a.rank, a.rope = "1,3", "40", 4, 64, 16
+        a.prefills, a.prefill_context = "9", 5
         a.warmup, a.iters = 1, 2
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
+    a.prefills = [int(x) for x in a.prefills.split(",")]
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     parts = a.parts.split(",")
     if "kernel" in parts:
         result["kernel"] = kernel_part(a, device, dtype)
+    if "prefill" in parts:
+        result["prefill"] = prefill_part(a, device, dtype)
     if "engine" in parts:
         result["engine"] = engine_part(a, device, dtype)
     if a.out:

@@ -11,7 +11,7 @@
 # (decode.py's continuous-batching trace alone, with the reduce-overhead baseline given the time the
 # full run cannot give it), demo, fold (the o_proj fold's GPU tests, then its A/B at batch 1 and 8),
 # spec (benchmarks/spec_decode.py: verify steps with and without uniform_decode_query_len, GA_SPEC_ARGS),
-# mla (benchmarks/mla.py: TRITON_MLA's decode kernel and an MLA model's decode step, GA_MLA_ARGS).
+# mla (benchmarks/mla.py: TRITON_MLA's decode and causal kernels and an MLA model's decode step, GA_MLA_ARGS).
 # Extra pytest/benchmark arguments come from GA_PYTEST_ARGS and GA_DECODE_ARGS.
 #   scripts/device_run.sh tests attention decode
 set -uo pipefail

@@ -902,23 +902,27 @@ def compile_for_hopper() -> list[dict]:
         dict(case="verify G4 x4", shared=compiled.metadata.shared, spill=_spill(compiled))
     )
 
-    from graphattn.kernels import mla_decode
+    from graphattn.kernels import mla_attention
 
-    mla = mla_decode._mla_decode_kernel  # DeepSeek-V2's entry (512 + 64) and a small one
-    for dtype, rank, rope, split in (
-        (torch.bfloat16, 512, 64, True),
-        (torch.bfloat16, 512, 64, False),
-        (torch.float16, 512, 64, True),
-        (torch.float32, 512, 64, True),
-        (torch.bfloat16, 64, 16, True),
-        (torch.bfloat16, 8, 8, True),  # a rank below tl.dot's 16, padded
+    mla = mla_attention._mla_kernel  # DeepSeek-V2's entry (512 + 64) and a small one
+    for dtype, rank, rope, split, heads in (
+        (torch.bfloat16, 512, 64, True, 16),
+        (torch.bfloat16, 512, 64, False, 16),
+        (torch.float16, 512, 64, True, 16),
+        (torch.float32, 512, 64, True, 16),
+        (torch.bfloat16, 64, 16, True, 16),
+        (torch.bfloat16, 8, 8, True, 16),  # a rank below tl.dot's 16, padded
+        (torch.bfloat16, 512, 64, True, 4),  # the causal kernel's tiles of 4 tokens x 4 heads
     ):
-        constants = mla_decode.kernel_constants(rank, rope, dtype, 16, split, "cuda")
-        options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
-        src = ASTSource(mla, _signature(mla, dtype), constants, _aligned(mla))
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        name = f"mla decode {dtype} {rank}+{rope} split={split}"
-        results.append(dict(case=name, shared=compiled.metadata.shared, spill=_spill(compiled)))
+        for mixed in (False, True) if heads == 16 else (True,):
+            constants = mla_attention.kernel_constants(rank, rope, dtype, 16, split, "cuda")
+            options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
+            constants |= dict(HEADS=heads, BLOCK_Q=16 // heads, MIXED=mixed)
+            src = ASTSource(mla, _signature(mla, dtype), constants, _aligned(mla))
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            kind = f"causal {16 // heads} x {heads}" if mixed else "decode"
+            name = f"mla {kind} {dtype} {rank}+{rope} split={split}"
+            results.append(dict(case=name, shared=compiled.metadata.shared, spill=_spill(compiled)))
     folded = split_kv._reduce_o_proj_kernel  # every group width it folds, as launched
     for group in (1, 2, 4, 8, 16):
         for head_size in (64, 128, 256):
@@ -1008,3 +1012,4 @@ def test_cuda_launches_compile_for_hopper():
     folded = [r["case"] for r in results if r["case"].startswith("reduce + o_proj")]
     assert len(folded) == 12 and "reduce + o_proj G4 D64 rows 64" in folded
     assert sum(r["case"].startswith("mla decode") for r in results) == 6
+    assert sum(r["case"].startswith("mla causal") for r in results) == 7

@@ -210,10 +210,10 @@ def test_the_one_token_build_with_the_gemv_passes_matches_eager(tmp_path, monkey
 def test_the_decode_kernel_matches_the_reference(
     rank, rope, heads, block_size, splits, lens, dtype, seed
 ):
-    """kernels/mla_decode.py against paged_attention_ref with values a view of the keys:
+    """kernels/mla_attention.py against paged_attention_ref with values a view of the keys:
     any rank, rotary width (padded to 16 for the dot), head count (blocks of 16 masked),
     block size, split count and lengths (0: a padding request, whose rows are not read)."""
-    from graphattn.kernels import mla_decode, split_kv
+    from graphattn.kernels import mla_attention, split_kv
     from graphattn.kernels.reference import paged_attention_ref
 
     gen = torch.Generator().manual_seed(seed)
@@ -230,7 +230,7 @@ def test_the_decode_kernel_matches_the_reference(
     if splits > 1:
         rows = len(lens) * heads * splits
         scratch = split_kv.SplitScratch(torch.empty(rows * rank), torch.empty(rows), len(lens))
-    mla_decode.mla_decode(
+    mla_attention.mla_decode(
         query, cache, table, seq_lens, out, starts, kv_lora_rank=rank, scale=0.3,
         num_splits=splits, scratch=scratch,
     )  # fmt: skip
@@ -245,36 +245,115 @@ def test_the_decode_kernel_matches_the_reference(
     assert rel_err(out[real].float(), ref[real]) < tol
 
 
+@settings(deadline=None, max_examples=25)
+@given(
+    rank=st.sampled_from([16, 48]),
+    rope=st.sampled_from([8, 16]),
+    heads=st.sampled_from([1, 3, 4, 16, 20]),
+    block_size=st.sampled_from([8, 16]),
+    splits=st.sampled_from([1, 3]),
+    # (cached tokens, new tokens) a request; (0, n): a padding request of n tokens
+    reqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 19)), min_size=1, max_size=4),
+    padding=st.integers(0, 2),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_mixed_kernel_matches_the_reference(
+    rank, rope, heads, block_size, splits, reqs, padding, dtype, seed
+):
+    """``mla_attention`` (any batch, causal, in one launch) against paged_attention_ref:
+    prefills, chunked prefills, decodes and verify-sized requests together; tiles of several
+    tokens where there are fewer than 16 heads; padding requests of length 0 that own
+    tokens, and padding tokens past the last request, which are not written."""
+    from graphattn.kernels import mla_attention, split_kv
+    from graphattn.kernels.reference import paged_attention_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    real = [(c, q) for c, q in reqs]
+    lens = [c + q for c, q in real] + [0] * padding
+    q_lens = [q for _, q in real] + [1] * padding
+    starts_list = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
+    num_tokens = starts_list[-1] + 2  # two tokens past the last request
+    width = 60 // block_size + 1
+    num_reqs = len(lens)
+    num_blocks = num_reqs * width
+    cache = torch.randn(num_blocks, block_size, rank + rope, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen).view(num_reqs, width).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    starts = torch.tensor(starts_list, dtype=torch.int32)
+    query = torch.randn(num_tokens, heads, rank + rope, generator=gen).to(dtype)
+    out = torch.full((num_tokens, heads, rank), float("nan"), dtype=dtype)
+    scratch = None
+    if splits > 1:
+        rows = num_tokens * heads * splits
+        scratch = split_kv.SplitScratch(torch.empty(rows * rank), torch.empty(rows), num_tokens)
+    mla_attention.mla_attention(
+        query, cache, table, seq_lens, out, starts, num_reqs=num_reqs, kv_lora_rank=rank,
+        scale=0.3, num_splits=splits, scratch=scratch,
+    )  # fmt: skip
+    keys = cache.float().unsqueeze(2)
+    ref = torch.zeros(num_tokens, heads, rank)
+    n = len(real)
+    paged_attention_ref(
+        query.float(), keys, keys[..., :rank], table[:n], starts_list[: n + 1], lens[:n], 0.3,
+        ref,
+    )  # fmt: skip
+    end = starts_list[n]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(out[:end].float(), ref[:end]) < tol
+    if splits == 1:  # the padding requests' rows see no key (the reduction skips them)
+        assert (out[end : starts_list[-1]] == 0).all()
+    assert out[starts_list[-1] :].isnan().all()  # past the last request: not written
+
+
+def test_the_mixed_kernel_with_one_token_a_request_equals_the_decode_kernel():
+    """A batch of one-token decodes through both launches: the same rows (the same tiles
+    and the same order of additions where a program holds one token)."""
+    from graphattn.kernels import mla_attention
+
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(40, 16, 80, generator=gen)
+    table = torch.randperm(40, generator=gen).view(4, 10).int()
+    lens = torch.tensor([1, 70, 33, 150], dtype=torch.int32)
+    starts = torch.arange(5, dtype=torch.int32)
+    query = torch.randn(4, 16, 80, generator=gen)
+    decode, mixed = torch.empty(4, 16, 64), torch.empty(4, 16, 64)
+    kw = dict(kv_lora_rank=64, scale=0.2, num_splits=1, scratch=None)
+    mla_attention.mla_decode(query, cache, table, lens, decode, starts, **kw)
+    mla_attention.mla_attention(query, cache, table, lens, mixed, starts, num_reqs=4, **kw)
+    assert torch.equal(decode, mixed)
+
+
 def test_the_decode_kernel_refuses_what_it_cannot_read():
     """A block table whose rows are not contiguous (the kernel indexes a row directly), too
     few sequence lengths, a scratch of another dtype: a ValueError before the launch."""
-    from graphattn.kernels import mla_decode, split_kv
+    from graphattn.kernels import mla_attention, split_kv
 
     cache = torch.randn(8, 16, 80)
     query, out = torch.randn(2, 4, 80), torch.empty(2, 4, 64)
     table = torch.zeros(2, 8, dtype=torch.int32)
     lens, starts = torch.tensor([5, 9], dtype=torch.int32), torch.arange(3, dtype=torch.int32)
     kw = dict(kv_lora_rank=64, scale=0.1, num_splits=1, scratch=None)
-    mla_decode.mla_decode(query, cache, table, lens, out, starts, **kw)  # fine as it is
+    mla_attention.mla_decode(query, cache, table, lens, out, starts, **kw)  # fine as it is
     with pytest.raises(ValueError, match="block_table must be contiguous in its last dim"):
-        mla_decode.mla_decode(query, cache, table[:, ::2], lens, out, starts, **kw)
+        mla_attention.mla_decode(query, cache, table[:, ::2], lens, out, starts, **kw)
     with pytest.raises(ValueError, match="seq_lens"):
-        mla_decode.mla_decode(query, cache, table, lens[:1], out, starts, **kw)
+        mla_attention.mla_decode(query, cache, table, lens[:1], out, starts, **kw)
     bad = split_kv.SplitScratch(
         torch.empty(2 * 4 * 2 * 64, dtype=torch.float64), torch.empty(16), 2
     )
     with pytest.raises(ValueError, match=r"scratch\.out must be float32"):
-        mla_decode.mla_decode(
+        mla_attention.mla_decode(
             query, cache, table, lens, out, starts, **{**kw, "num_splits": 2, "scratch": bad}
         )
 
 
 def test_triton_mla_through_the_engine_matches_dense_mla():
-    """Mixed batches (TORCH_REF_MLA's computation), then one-token decodes (the kernel, with
+    """Mixed batches (the causal kernel), then one-token decodes (the decode kernel, with
     splits on the interpreter's four "SMs"), on one engine."""
     model = _model(**SHAPES["q_proj"])
     engine = _engine(model, attention_backend="TRITON_MLA")
-    assert engine.report.groups[0].cudagraph_support == "UNIFORM_SINGLE_TOKEN_DECODE"
+    assert engine.report.groups[0].cudagraph_support == "ALWAYS"
     rng = np.random.default_rng(9)
     for shape in ([(0, 9), (21, 1), (40, 13)], [(70, 1), (3, 1), (33, 1), (16, 1)]):
         seqs = make_seqs(rng, shape, 512, 16, 64)
@@ -284,31 +363,48 @@ def test_triton_mla_through_the_engine_matches_dense_mla():
     assert "split" in engine.attn_groups[0].builder.scratch  # the decodes ran split
 
 
-def test_triton_mla_decodes_padded_as_a_graph_replays_them(monkeypatch):
-    """A decode batch padded to a full graph's key (3 requests as 8, the padding requests of
-    length 0): the metadata the graph would be captured with, run eagerly; rows match."""
+@pytest.mark.parametrize(
+    "shape, key",
+    [
+        # 3 decodes as a graph of 8 (padding requests of length 0)
+        ([(30, 1), (5, 1), (61, 1)], (8, 8, True)),
+        # a prefill, a chunk and decodes as a mixed graph of 48 tokens and 8 requests: the
+        # causal kernel (8 requests fill the interpreter's four "SMs" twice: no split)
+        ([(0, 9), (21, 1), (40, 13), (3, 1)], (48, 8, False)),
+        # verify steps of 4 tokens a request as a graph of 16 tokens and 4 requests: the
+        # causal kernel in two splits (16 tokens fit the scratch of max_num_seqs)
+        ([(12, 4), (33, 4)], (16, 4, False)),
+    ],
+)
+def test_triton_mla_batches_padded_as_a_graph_replays_them(monkeypatch, shape, key):
+    """A batch padded to a full graph's key: the metadata the graph would be captured with,
+    run eagerly; the real rows match the dense MLA."""
     from graphattn.attention.backends.mla import TritonMLAMetadataBuilder
     from graphattn.capture.dispatcher import BatchDescriptor, Dispatch
 
     model = _model()
-    engine = _engine(model, attention_backend="TRITON_MLA")
+    engine = _engine(model, attention_backend="TRITON_MLA", max_num_seqs=64)
     monkeypatch.setattr(TritonMLAMetadataBuilder, "full_replay_needs_build", True)
-    seqs = make_seqs(np.random.default_rng(10), [(30, 1), (5, 1), (61, 1)], 512, 16, 64)
+    seqs = make_seqs(np.random.default_rng(10), shape, 512, 16, 64)
     prefill_prefixes(engine, seqs)
-    engine.runner.planner = lambda t, r, u: Dispatch(M.FULL, BatchDescriptor(8, 8, True))
+    engine.attn_groups[0].builder.scratch.clear()  # the prefixes' steps may have split
+    engine.runner.planner = lambda t, r, u: Dispatch(M.FULL, BatchDescriptor(*key))
     out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
     assert rel_err(out, _expected(model, seqs)) < 1e-5
     assert engine.stats.runtime_modes["FULL"] == 1
+    assert ("split" in engine.attn_groups[0].builder.scratch) == (key[0] == 16)
 
 
-def test_triton_mla_allows_full_graphs_for_decodes_only():
-    """What its support level gives on a GPU (the report's mode_on_cuda off CUDA)."""
+def test_triton_mla_allows_full_graphs_for_every_batch():
+    """What its support level gives on a GPU (the report's mode_on_cuda off CUDA): FULL is
+    kept, mixed batches included."""
     model = _model()
     split = dict(compile_backend="eager", attention_backend="TRITON_MLA")  # split at attention
-    keep = _engine(model, cudagraph_mode="FULL_AND_PIECEWISE", **split)
-    assert keep.report.mode_on_cuda == "FULL_AND_PIECEWISE, kept (backend TRITON_MLA)"
-    lowered = _engine(model, cudagraph_mode="FULL", **split)
-    assert "FULL -> FULL_AND_PIECEWISE" in lowered.report.mode_on_cuda
+    engine = _engine(model, cudagraph_mode="FULL_AND_PIECEWISE", **split)
+    assert engine.report.mode_on_cuda == "FULL_AND_PIECEWISE, kept (backend TRITON_MLA)"
+    with pytest.warns(ga.FallbackWarning, match=r"FULL -> NONE \(CUDA graphs need a CUDA"):
+        engine = _engine(model, cudagraph_mode="FULL", **split)
+    assert engine.report.mode_on_cuda == "FULL, kept (backend TRITON_MLA)"
 
 
 # -- the layer, the cache and selection ------------------------------------------------------
@@ -508,23 +604,24 @@ def test_graph_modes_lower_to_piecewise_and_match_eager(tmp_path):
 
 
 @pytest.mark.gpu
-def test_triton_mla_decodes_replay_full_graphs_and_match_eager(tmp_path):
-    """TRITON_MLA under FULL_AND_PIECEWISE (kept: decodes FULL, mixed batches piecewise)
-    against an eager TORCH_REF_MLA engine: decode batches of every size up to the largest
-    graph (padded requests of length 0), and mixed batches."""
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL"])
+def test_triton_mla_replays_full_graphs_and_matches_eager(tmp_path, mode):
+    """TRITON_MLA (ALWAYS: the mode is kept) against an eager TORCH_REF_MLA engine: decode
+    batches of every size up to the largest graph (padded requests of length 0) replay full
+    graphs, and mixed batches too under FULL (piecewise under FULL_AND_PIECEWISE)."""
     model = _model("cuda", torch.bfloat16, **SHAPES["q_proj"])
     ref = _engine(copy.deepcopy(model), num_blocks=256)
     eng = _engine(
         copy.deepcopy(model),
         num_blocks=256,
-        cudagraph_mode="FULL_AND_PIECEWISE",
+        cudagraph_mode=mode,
         compile_backend="inductor",
         attention_backend="TRITON_MLA",
-        cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+        cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32],
         cache_dir=str(tmp_path),
         debug=True,
     )
-    assert eng.resolved_mode == M.FULL_AND_PIECEWISE and not eng.report.fallbacks
+    assert eng.resolved_mode == M[mode] and not eng.report.fallbacks
     rng = np.random.default_rng(11)
     for n in (1, 3, 8, 13, 16):
         seqs = make_seqs(rng, [(int(rng.integers(1, 200)), 1) for _ in range(n)], 512, 16, 256)
@@ -534,11 +631,15 @@ def test_triton_mla_decodes_replay_full_graphs_and_match_eager(tmp_path):
         batch = ga.Batch.from_requests([s.request() for s in seqs])
         assert rel_err(eng.step(batch), ref.step(batch)) < 2e-2, n
         assert eng.stats.runtime_modes["FULL"] == before + 1, n
-    seqs = make_seqs(rng, [(0, 6), (14, 1), (40, 3)], 512, 16, 256)
-    for e in (ref, eng):
-        prefill_prefixes(e, seqs)
-    batch = ga.Batch.from_requests([s.request() for s in seqs])
-    assert rel_err(eng.step(batch), ref.step(batch)) < 2e-2
+    mixed = "FULL" if mode == "FULL" else "PIECEWISE"
+    for shape in ([(0, 6), (14, 1), (40, 3)], [(0, 17), (90, 1), (3, 5), (120, 4)]):
+        seqs = make_seqs(rng, shape, 512, 16, 256)
+        for e in (ref, eng):
+            prefill_prefixes(e, seqs)
+        before = eng.stats.runtime_modes[mixed]
+        batch = ga.Batch.from_requests([s.request() for s in seqs])
+        assert rel_err(eng.step(batch), ref.step(batch)) < 2e-2, shape
+        assert eng.stats.runtime_modes[mixed] == before + 1, shape
     assert eng.stats.recompiles == 0 and eng.stats.captures_after_startup == 0
 
 
@@ -546,7 +647,7 @@ def test_triton_mla_decodes_replay_full_graphs_and_match_eager(tmp_path):
 @pytest.mark.parametrize("splits", [1, 8])
 def test_the_decode_kernel_at_deepseek_v2_shape_on_cuda(splits):
     """512 + 64 entries, 16 heads, bf16, long sequences, against the reference in fp32."""
-    from graphattn.kernels import mla_decode, split_kv
+    from graphattn.kernels import mla_attention, split_kv
     from graphattn.kernels.reference import paged_attention_ref
 
     gen = torch.Generator("cuda").manual_seed(3)
@@ -563,7 +664,7 @@ def test_the_decode_kernel_at_deepseek_v2_shape_on_cuda(splits):
     scratch = split_kv.SplitScratch(
         torch.empty(rows * rank, device="cuda"), torch.empty(rows, device="cuda"), reqs
     )
-    mla_decode.mla_decode(
+    mla_attention.mla_decode(
         query, cache, table, seq_lens, out, starts, kv_lora_rank=rank, scale=576**-0.5,
         num_splits=splits, scratch=scratch,
     )  # fmt: skip
@@ -575,3 +676,37 @@ def test_the_decode_kernel_at_deepseek_v2_shape_on_cuda(splits):
     )  # fmt: skip
     real = seq_lens > 0
     assert rel_err(out[real].float(), ref[real]) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128, 4])
+def test_the_causal_kernel_at_deepseek_v2_shape_on_cuda(heads):
+    """512 + 64 entries, bf16: a long prefill, chunks after a cached prefix, verify-sized
+    requests and decodes in one launch, against the reference in fp32 (16 and 128 heads:
+    DeepSeek-V2-Lite's and V2's; 4: tiles of four tokens)."""
+    from graphattn.kernels import mla_attention
+    from graphattn.kernels.reference import paged_attention_ref
+
+    gen = torch.Generator("cuda").manual_seed(4)
+    rank, rope, width = 512, 64, 80
+    shape = [(0, 700), (300, 129), (1000, 4), (17, 1), (0, 1), (512, 33)]  # (cached, new)
+    reqs = len(shape)
+    cache = torch.randn(reqs * width, 16, rank + rope, device="cuda", generator=gen).bfloat16()
+    table = torch.randperm(reqs * width, device="cuda", generator=gen).view(reqs, width).int()
+    lens = [c + q for c, q in shape]
+    starts_list = np.concatenate([[0], np.cumsum([q for _, q in shape])]).tolist()
+    t = starts_list[-1]
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    starts = torch.tensor(starts_list, dtype=torch.int32, device="cuda")
+    query = torch.randn(t, heads, rank + rope, device="cuda", generator=gen).bfloat16()
+    out = torch.empty(t, heads, rank, device="cuda", dtype=torch.bfloat16)
+    mla_attention.mla_attention(
+        query, cache, table, seq_lens, out, starts, num_reqs=reqs, kv_lora_rank=rank,
+        scale=576**-0.5,
+    )  # fmt: skip
+    keys = cache.float().unsqueeze(2)
+    ref = torch.zeros(t, heads, rank, device="cuda")
+    paged_attention_ref(
+        query.float(), keys, keys[..., :rank], table, starts_list, lens, 576**-0.5, ref
+    )
+    assert rel_err(out.float(), ref) < 2e-2

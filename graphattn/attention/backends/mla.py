@@ -7,12 +7,13 @@ values its first ``kv_lora_rank`` columns. The cache is ``[num_blocks, block_siz
 
 - TORCH_REF_MLA, like TORCH_REF, decides per request on the host, so it allows no full CUDA
   graphs (``NEVER``): under a FULL mode the engine lowers to PIECEWISE and says so.
-- TRITON_MLA writes the step's entries with the KV-cache write kernel and runs batches of
-  one-token decodes through ``kernels/mla_decode.py`` (split-KV, the launch fixed by the
-  padded request count), so decodes can replay full graphs
-  (``UNIFORM_SINGLE_TOKEN_DECODE``); other batches take TORCH_REF_MLA's computation
-  eagerly (piecewise). Not yet run on a GPU: on CUDA it ranks below TORCH_REF_MLA and is
-  chosen by name (``attention_backend="TRITON_MLA"``).
+- TRITON_MLA writes the step's entries with the KV-cache write kernel and runs attention in
+  one Triton launch (``kernels/mla_attention.py``): batches of one-token decodes through
+  the decode kernel (a program per request, split-KV), any other batch (prefills, chunked
+  prefills, verify steps) through the causal kernel. Each launch is fixed by the padded
+  token and request counts, so any batch can replay a full CUDA graph (``ALWAYS``). Not
+  yet run on a GPU: on CUDA it ranks below TORCH_REF_MLA and is chosen by name
+  (``attention_backend="TRITON_MLA"``).
 """
 
 from __future__ import annotations
@@ -65,25 +66,11 @@ class TorchRefMLAImpl(AttentionImpl):
         valid = slots >= 0
         entries = kv_cache.view(-1, kv_cache.shape[-1])  # [slots, entry]
         entries.index_copy_(0, slots[valid], key[:n, 0][valid].to(kv_cache.dtype))
-        return reference_attention(query, kv_cache, value.shape[-1], md, self.scale, output)
-
-
-def reference_attention(
-    query: torch.Tensor,  # [T, H, kv_lora_rank + rope]
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope]
-    kv_lora_rank: int,
-    md: TorchRefMetadata,
-    scale: float,
-    output: torch.Tensor,  # [T, H, kv_lora_rank]
-) -> torch.Tensor:
-    """MLA over cache entries already written, in plain PyTorch: one KV head whose values
-    are the entries' first ``kv_lora_rank`` columns (TORCH_REF_MLA, and TRITON_MLA's
-    batches that are not all one-token decodes)."""
-    keys = kv_cache.unsqueeze(2)  # [NB, BS, 1, entry]
-    return paged_attention_ref(
-        query, keys, keys[..., :kv_lora_rank], md.block_table, md.query_start_loc,
-        md.seq_lens, scale, output, num_decodes=md.num_decodes,
-    )  # fmt: skip
+        keys = kv_cache.unsqueeze(2)  # [NB, BS, 1, entry]: one KV head, its values a view
+        return paged_attention_ref(
+            query, keys, keys[..., : value.shape[-1]], md.block_table, md.query_start_loc,
+            md.seq_lens, self.scale, output, num_decodes=md.num_decodes,
+        )  # fmt: skip
 
 
 class TorchRefMLABackend(AttentionBackend):
@@ -129,25 +116,26 @@ register_backend(TorchRefMLABackend, {"cpu": 100, "cuda": 0})
 
 @dataclass(slots=True)
 class TritonMLAMetadata:
-    """One step of one group: the padded batch's device tensors; for a batch that is not
-    all one-token decodes also TORCH_REF_MLA's host lists (``ref``)."""
+    """One step of one group: the padded batch's device tensors and launch sizes."""
 
     uniform_decode: bool  # every request has one query token (a graph's key fixes it)
     num_reqs: int  # padded
+    num_input_tokens: int  # padded; the launch covers this many tokens
     num_sms: int
-    max_reqs: int  # max_num_seqs: the scratch's rows of requests
+    max_reqs: int  # max_num_seqs: the scratch's rows of tokens
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_input_tokens] int64, -1 for padding
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     scratch: dict[str, Any]  # the group's split scratch, made at the first split launch
-    ref: TorchRefMetadata | None
 
 
-class TritonMLAMetadataBuilder(TorchRefMetadataBuilder):
-    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata]):
+    # every launch is a function of the padded token and request counts: any batch
+    cudagraph_support = AttentionCGSupport.ALWAYS
+    reorder_batch_threshold = 1  # decodes first like the other backends; the kernels need no order
     # build only describes the launches (the scratch is made by the first launch, eagerly,
-    # before any capture): a FULL replay of a decode graph needs none of it
+    # before any capture): a FULL replay needs none of it
     full_replay_needs_build = False
 
     def __init__(self, kv_cache_spec, layer_names, config, device) -> None:
@@ -160,10 +148,10 @@ class TritonMLAMetadataBuilder(TorchRefMetadataBuilder):
         self.scratch: dict[str, Any] = {}
 
     def build(self, common_prefix_len: int, cam: CommonAttentionMetadata) -> TritonMLAMetadata:
-        ref = None if cam.uniform_decode else super().build(common_prefix_len, cam)
         return TritonMLAMetadata(
             cam.uniform_decode,
             cam.num_reqs,
+            cam.num_input_tokens,
             self.num_sms,
             self.config.max_num_seqs,
             cam.seq_lens,
@@ -171,7 +159,6 @@ class TritonMLAMetadataBuilder(TorchRefMetadataBuilder):
             cam.slot_mapping,
             cam.query_start_loc,
             self.scratch,
-            ref,
         )
 
 
@@ -197,31 +184,43 @@ class TritonMLAImpl(AttentionImpl):
         entries = kv_cache.unsqueeze(2)  # [NB, BS, 1, entry]: one KV head
         # the values are a view of the entries: writing the entries writes them
         kernels.kv_cache_write.write_kv_cache(key, key, entries, entries, md.slot_mapping)
-        rank = value.shape[-1]
-        if not md.uniform_decode:  # prefills: eagerly, as TORCH_REF_MLA does
-            return reference_attention(query, kv_cache, rank, md.ref, self.scale, output)
-        r, heads = md.num_reqs, query.shape[1]
-        decode = kernels.mla_decode
-        splits = min(
-            decode.MAX_SPLITS,
-            choose_num_splits(r, -(-heads // decode.BLOCK_H), md.num_sms),
-        )
+        rank, heads = value.shape[-1], query.shape[1]
+        launch = kernels.mla_attention
+        splits = self.num_splits(md, heads)
         scratch = self._scratch(md, heads, rank, query.device) if splits > 1 else None
-        decode.mla_decode(
-            query[:r], kv_cache, md.block_table, md.seq_lens, output[:r], md.query_start_loc,
-            kv_lora_rank=rank, scale=self.scale, num_splits=splits, scratch=scratch,
-        )  # fmt: skip
+        r, t = md.num_reqs, md.num_input_tokens
+        kw = dict(kv_lora_rank=rank, scale=self.scale, num_splits=splits, scratch=scratch)
+        if md.uniform_decode:  # one token a request: a program per request
+            launch.mla_decode(
+                query[:r], kv_cache, md.block_table, md.seq_lens, output[:r],
+                md.query_start_loc, **kw,
+            )  # fmt: skip
+        else:
+            launch.mla_attention(
+                query[:t], kv_cache, md.block_table, md.seq_lens, output[:t],
+                md.query_start_loc, num_reqs=r, **kw,
+            )  # fmt: skip
         return output
 
     @staticmethod
+    def num_splits(md: TritonMLAMetadata, heads: int) -> int:
+        """Split-KV splits for the padded batch: more than one only where its tokens fit the
+        scratch (at most max_num_seqs) and its programs would not fill the GPU."""
+        if md.num_input_tokens > md.max_reqs:
+            return 1
+        launch = _mla_kernels().mla_attention
+        per = launch.BLOCK_H if md.uniform_decode else launch.heads_per_tile(heads)
+        return min(launch.MAX_SPLITS, choose_num_splits(md.num_reqs, -(-heads // per), md.num_sms))
+
+    @staticmethod
     def _scratch(md: TritonMLAMetadata, heads: int, rank: int, device: torch.device):
-        """The group's split scratch at its largest (max_num_seqs requests x heads x
+        """The group's split scratch at its largest (max_num_seqs tokens x heads x
         MAX_SPLITS rows of ``rank``), made once: by the first split launch, which runs
         eagerly (a warm-up) before any graph that replays it is captured."""
         scratch = md.scratch.get("split")
         if scratch is None:
             split_kv = _mla_kernels().split_kv
-            rows = md.max_reqs * heads * _mla_kernels().mla_decode.MAX_SPLITS
+            rows = md.max_reqs * heads * _mla_kernels().mla_attention.MAX_SPLITS
             scratch = md.scratch["split"] = split_kv.SplitScratch(
                 torch.empty(rows * rank, dtype=torch.float32, device=device),
                 torch.empty(rows, dtype=torch.float32, device=device),
@@ -266,7 +265,7 @@ class TritonMLABackend(TorchRefMLABackend):
 @functools.cache
 def _mla_kernels() -> ModuleType:
     """The kernel package with the modules TRITON_MLA launches (first call defines them)."""
-    for name in ("kv_cache_write", "mla_decode", "split_kv"):
+    for name in ("kv_cache_write", "mla_attention", "split_kv"):
         importlib.import_module(f"graphattn.kernels.{name}")
     return importlib.import_module("graphattn.kernels")
 
