@@ -70,7 +70,7 @@ def dense_mla(model: MLAForCausalLM, ids: list[int]) -> torch.Tensor:
         )
         query = torch.cat([q[..., :nope], q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe[:, None, :].expand(t, h, r)], dim=-1)
-        scores = torch.einsum("thd,shd->hts", query, key) * cfg.qk_head_dim**-0.5
+        scores = torch.einsum("thd,shd->hts", query, key) * cfg.softmax_scale
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         out = torch.einsum("hts,shd->thd", probs, value).reshape(t, h * v_dim)
         x = x + a.o_proj(out)
@@ -89,6 +89,25 @@ SHAPES = {
     "tiny": {},
     # no low-rank queries; every head size different, so a swapped slice cannot pass
     "q_proj": dict(q_lora_rank=None, kv_lora_rank=48, qk_nope_head_dim=24, v_head_dim=40),
+    # DeepSeek-V2's mixture of experts in the second layer, routed within groups, and YaRN
+    "moe": dict(
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=3,
+        topk_group=2,
+        routed_scaling_factor=2.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
+    ),
 }
 
 
@@ -143,10 +162,11 @@ def test_generate_agrees_with_the_dense_model():
     assert new == ids[len(prompt) :]
 
 
-def test_compiled_piecewise_matches_eager(tmp_path):
+@pytest.mark.parametrize("shape", ["tiny", "moe"])
+def test_compiled_piecewise_matches_eager(tmp_path, shape):
     """Traced, split at the attention ops and compiled by Inductor: the pieces around the
-    absorbed projections give the eager engine's rows."""
-    model = _model()
+    absorbed projections (and the experts, routed per token) give the eager engine's rows."""
+    model = _model(**SHAPES[shape])
     eager = _engine(copy.deepcopy(model))
     compiled = _engine(
         copy.deepcopy(model), compile_backend="inductor", cache_dir=str(tmp_path), debug=True
@@ -710,3 +730,21 @@ def test_the_causal_kernel_at_deepseek_v2_shape_on_cuda(heads):
         query.float(), keys, keys[..., :rank], table, starts_list, lens, 576**-0.5, ref
     )
     assert rel_err(out.float(), ref) < 2e-2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(n_routed_experts=4, num_experts_per_tok=5), r"num_experts_per_tok must lie in \[1, 4\]"),
+        (dict(n_routed_experts=4, num_experts_per_tok=2, topk_method="noaux_tc"), "topk_method must be"),
+        (dict(n_routed_experts=6, num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=4), "n_group must divide"),
+        (
+            dict(n_routed_experts=6, num_experts_per_tok=3, topk_method="group_limited_greedy",
+                 n_group=3, topk_group=1),
+            "topk_group must lie in",
+        ),
+    ],
+)  # fmt: skip
+def test_a_mixture_of_experts_it_cannot_route_is_a_config_error(overrides, match):
+    with pytest.raises(ga.ConfigError, match=match):
+        MLAConfig.tiny(**overrides)

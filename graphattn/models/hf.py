@@ -1,11 +1,15 @@
-"""Load Hugging Face Llama and Qwen2 checkpoints into graphattn's ``LlamaForCausalLM``.
+"""Load Hugging Face Llama, Qwen2 and DeepSeek-V2 checkpoints into graphattn's models.
 
 ``load(source)`` takes a local checkpoint folder (``config.json`` and safetensors, one file
 or shards listed in ``model.safetensors.index.json``) or an in-memory transformers model.
-It turns the config into a ``LlamaConfig``, checks every tensor's name and shape against
-the model that config describes before allocating anything, then copies the weights in:
-q/k/v stacked into ``qkv_proj`` and gate/up into ``gate_up_proj``. Nothing is downloaded,
-and neither transformers nor safetensors is imported until a checkpoint needs it.
+It turns the config into a ``LlamaConfig`` (Llama, Qwen2) or an ``MLAConfig``
+(DeepSeek-V2), checks every tensor's name and shape against the model that config
+describes before allocating anything, then copies the weights in: q/k/v stacked into
+``qkv_proj``, gate/up into ``gate_up_proj``, and a DeepSeek checkpoint's experts (one
+tensor per expert, or transformers 5's stacked ones) into the stacked expert weights, with
+the rotary rows of its query and key projections reordered from interleaved pairs to
+halves. Nothing is downloaded, and neither transformers nor safetensors is imported until a
+checkpoint needs it.
 """
 
 from __future__ import annotations
@@ -21,13 +25,27 @@ import torch
 from torch import nn
 
 from graphattn.config import parse_dtype
-from graphattn.errors import GraphAttnError
+from graphattn.errors import ConfigError, GraphAttnError
 from graphattn.models.llama import LlamaConfig, LlamaForCausalLM, RotaryEmbedding
+from graphattn.models.mla import MLAConfig, MLAForCausalLM
 
-# Hugging Face architecture name -> family; both map onto graphattn's LlamaForCausalLM.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_ROPE_TYPES = ("default", "linear", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Hugging Face architecture name -> family: llama and qwen2 load into LlamaForCausalLM,
+# deepseek_v2 into MLAForCausalLM.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+}
+_ROPE_NEEDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+_ROPE_OPTIONAL = {
+    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+}
+_TOPK_METHODS = ("greedy", "group_limited_greedy")
 # graphattn's merged projections and the Hugging Face projections stacked into them, in order.
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Buffers some older checkpoints saved; graphattn recomputes them from the config.
@@ -68,10 +86,11 @@ def load(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
 ) -> LlamaForCausalLM:
-    """graphattn's ``LlamaForCausalLM`` with the weights of a Llama or Qwen2 checkpoint.
+    """graphattn's ``LlamaForCausalLM`` with the weights of a Llama or Qwen2 checkpoint, or
+    its ``MLAForCausalLM`` (a subclass) with those of a DeepSeek-V2 checkpoint.
 
     ``source`` is a local folder (``config.json`` + safetensors) or a transformers
-    ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``. ``dtype`` defaults to the checkpoint's
+    ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``DeepseekV2ForCausalLM``. ``dtype`` defaults to the checkpoint's
     (the embedding's dtype); ``device`` to the CPU for a folder, the model's device for a
     model. Raises ``UnsupportedModelError`` for an architecture or config feature graphattn
     does not implement and ``WeightMismatchError`` naming every missing, unexpected or
@@ -81,13 +100,16 @@ def load(
     wanted_device = _device(device)
     checkpoint = _open_module(source) if isinstance(source, nn.Module) else _open_folder(source)
     cfg = config_from_hf(checkpoint.config, checkpoint.architecture)
+    model_cls = MLAForCausalLM if isinstance(cfg, MLAConfig) else LlamaForCausalLM
     with torch.device("meta"):  # shapes only: nothing is allocated until the checks pass
-        model = LlamaForCausalLM(cfg)
-    slots = weight_slots(model, cfg)
+        model = model_cls(cfg)
+    slots = _per_expert_slots(weight_slots(model, cfg), checkpoint.shapes)
     check_tensors(slots, checkpoint.shapes, cfg, checkpoint.architecture)
     target_dtype = wanted_dtype or checkpoint.dtype
     model = _materialize(model, cfg, target_dtype, wanted_device or checkpoint.device)
     _copy_weights(model, slots, checkpoint.tensors())
+    if isinstance(cfg, MLAConfig):
+        _rotary_rows_to_halves(model, cfg)
     return model.eval().requires_grad_(False)
 
 
@@ -273,8 +295,9 @@ def _default_dtype(stored: torch.dtype | str | None) -> torch.dtype:
 # -- config ---------------------------------------------------------------------------
 
 
-def config_from_hf(hf: dict[str, Any], architecture: str) -> LlamaConfig:
-    """graphattn's ``LlamaConfig`` for a Hugging Face config dict (``config.json``).
+def config_from_hf(hf: dict[str, Any], architecture: str) -> LlamaConfig | MLAConfig:
+    """graphattn's ``LlamaConfig`` (``MLAConfig`` for DeepSeek-V2) for a Hugging Face config
+    dict (``config.json``).
 
     Reads rope settings both as transformers 5 writes them (``rope_parameters``) and as
     transformers 4 did (``rope_theta`` + ``rope_scaling``).
@@ -287,6 +310,8 @@ def config_from_hf(hf: dict[str, Any], architecture: str) -> LlamaConfig:
         )
     _check_features(hf, family, architecture)
     theta, scaling = rope_settings(hf, architecture)
+    if family == "deepseek_v2":
+        return _mla_config(hf, architecture, theta, scaling)
     heads = _field(hf, "num_attention_heads", architecture)
     hidden = _field(hf, "hidden_size", architecture)
     return LlamaConfig(
@@ -304,6 +329,61 @@ def config_from_hf(hf: dict[str, Any], architecture: str) -> LlamaConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2",  # Qwen2 always has q/k/v biases
     )
+
+
+def _mla_config(
+    hf: dict[str, Any], architecture: str, theta: float, scaling: dict[str, Any] | None
+) -> MLAConfig:
+    def size(name: str, default: int | None = None) -> int:
+        return _field(hf, name, architecture, default)
+
+    experts = hf.get("n_routed_experts")
+    moe: dict[str, Any] = {}
+    if experts is not None:  # transformers' DeepseekV2 always has experts; a config may not
+        groups = hf.get("n_group") if hf.get("topk_method") == "group_limited_greedy" else None
+        moe = dict(
+            n_routed_experts=size("n_routed_experts"),
+            num_experts_per_tok=size("num_experts_per_tok"),
+            moe_intermediate_size=size("moe_intermediate_size"),
+            n_shared_experts=_count(hf, "n_shared_experts", architecture),
+            first_k_dense_replace=_count(hf, "first_k_dense_replace", architecture),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            topk_method=hf.get("topk_method", "greedy"),
+            n_group=groups,
+            topk_group=hf.get("topk_group") if groups is not None else None,
+        )
+    q_lora = hf.get("q_lora_rank")
+    try:
+        return MLAConfig(
+            vocab_size=size("vocab_size"),
+            hidden_size=size("hidden_size"),
+            intermediate_size=size("intermediate_size"),
+            num_hidden_layers=size("num_hidden_layers"),
+            num_attention_heads=size("num_attention_heads"),
+            q_lora_rank=None if q_lora is None else size("q_lora_rank"),
+            kv_lora_rank=size("kv_lora_rank"),
+            qk_nope_head_dim=size("qk_nope_head_dim"),
+            qk_rope_head_dim=size("qk_rope_head_dim"),
+            v_head_dim=size("v_head_dim"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=size("max_position_embeddings"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            **moe,
+        )
+    except ConfigError as e:
+        raise ModelLoadError(f"the {architecture} config: {e}") from None
+
+
+def _count(hf: dict[str, Any], name: str, architecture: str) -> int:
+    """A count the config may leave out (0) or set to 0: an int >= 0."""
+    value = hf.get(name) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelLoadError(
+            f"the {architecture} config's {name} must be an int >= 0, got {value!r}"
+        )
+    return value
 
 
 def _field(hf: dict[str, Any], name: str, architecture: str, default: int | None = None) -> int:
@@ -328,8 +408,10 @@ def _check_features(hf: dict[str, Any], family: str, architecture: str) -> None:
 
     if hf.get("hidden_act", "silu") != "silu":
         raise unsupported(f"hidden_act={hf['hidden_act']!r} (expected 'silu')")
-    if family == "llama" and hf.get("attention_bias"):
-        raise unsupported("attention_bias=True (q/k/v/o biases; expected False)")
+    if family in ("llama", "deepseek_v2") and hf.get("attention_bias"):
+        raise unsupported("attention_bias=True (projection biases; expected False)")
+    if family == "deepseek_v2":
+        _check_moe_features(hf, unsupported)
     if hf.get("mlp_bias"):
         raise unsupported("mlp_bias=True (expected False)")
     if hf.get("use_sliding_window") and not hf.get("layer_types") and _some_layer_slides(hf):
@@ -341,6 +423,26 @@ def _check_features(hf: dict[str, Any], family: str, architecture: str) -> None:
     layer_types = set(hf.get("layer_types") or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise unsupported(f"layer_types {sorted(layer_types)} (expected only 'full_attention')")
+
+
+def _check_moe_features(hf: dict[str, Any], unsupported) -> None:
+    """DeepSeek-V2's router as transformers computes it: softmax scores, greedy or
+    group-limited top-k, no renormalisation of the picked weights, every layer from
+    ``first_k_dense_replace`` on a mixture of experts."""
+    if hf.get("n_routed_experts") is None:
+        return
+    if hf.get("topk_method", "greedy") not in _TOPK_METHODS:
+        raise unsupported(
+            f"topk_method={hf['topk_method']!r} (expected one of {list(_TOPK_METHODS)})"
+        )
+    if hf.get("norm_topk_prob"):
+        raise unsupported(
+            "norm_topk_prob=True (the picked experts' weights renormalised; expected False)"
+        )
+    if hf.get("scoring_func", "softmax") != "softmax":
+        raise unsupported(f"scoring_func={hf['scoring_func']!r} (expected 'softmax')")
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise unsupported(f"moe_layer_freq={hf['moe_layer_freq']!r} (expected 1)")
 
 
 def _some_layer_slides(hf: dict[str, Any]) -> bool:
@@ -359,23 +461,24 @@ def rope_settings(hf: dict[str, Any], architecture: str) -> tuple[float, dict[st
     params = _flat_rope_params(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", hf.get("rope_theta") or 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in _ROPE_TYPES:
+    if kind not in _ROPE_NEEDS:
         raise UnsupportedModelError(
             f"{architecture} with rope type {kind!r} is not supported (expected one of "
-            f"{list(_ROPE_TYPES)}; rope settings {params})"
+            f"{list(_ROPE_NEEDS)}; rope settings {params})"
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(
             f"{architecture} with partial_rotary_factor={params['partial_rotary_factor']} is "
             "not supported (expected 1.0)"
         )
-    needed = {"default": (), "linear": ("factor",), "llama3": _LLAMA3_KEYS}[kind]
-    absent = [key for key in needed if key not in params]
+    needed = _ROPE_NEEDS[kind]
+    absent = [key for key in needed if params.get(key) is None]
     if absent:
         raise ModelLoadError(f"{architecture} rope type {kind!r} needs {absent}; got {params}")
     if kind == "default":
         return theta, None
-    return theta, {"rope_type": kind, **{key: params[key] for key in needed}}
+    optional = [key for key in _ROPE_OPTIONAL.get(kind, ()) if params.get(key) is not None]
+    return theta, {"rope_type": kind, **{key: params[key] for key in (*needed, *optional)}}
 
 
 def _flat_rope_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -393,20 +496,22 @@ def _flat_rope_params(params: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where one checkpoint tensor goes: rows ``start : start + shape[0]`` of ``param``."""
+    """Where one checkpoint tensor goes: rows ``start : start + shape[0]`` of ``param``, or of
+    ``param[expert]`` (one expert's tensor of a stacked expert weight)."""
 
     param: str
     start: int
     shape: tuple[int, ...]
+    expert: int | None = None
 
 
-def weight_slots(model: LlamaForCausalLM, cfg: LlamaConfig) -> dict[str, _Slot]:
-    """Hugging Face tensor name -> its slot in graphattn's model, for every tensor needed.
+def weight_slots(model: LlamaForCausalLM, cfg: LlamaConfig | MLAConfig) -> dict[str, _Slot]:
+    """Hugging Face tensor name -> its slot in graphattn's model, for every tensor needed
+    (stacked experts under transformers 5's names; ``_per_expert_slots`` turns them into a
+    checkpoint's per-expert names).
 
     A tied head shares the embedding's parameter, so it needs no tensor of its own.
     """
-    d, hq, hk = cfg.head_size, cfg.num_attention_heads, cfg.kv_heads
-    parts = {"qkv_proj": (hq * d, hk * d, hk * d), "gate_up_proj": (cfg.intermediate_size,) * 2}
     slots: dict[str, _Slot] = {}
     for name, param in model.named_parameters():  # a tied lm_head is listed once, as embed
         hf_name = name if name.startswith("lm_head.") else f"model.{name}"
@@ -414,19 +519,50 @@ def weight_slots(model: LlamaForCausalLM, cfg: LlamaConfig) -> dict[str, _Slot]:
         if module not in _MERGED:
             slots[hf_name] = _Slot(name, 0, tuple(param.shape))
             continue
+        if module == "qkv_proj":
+            d, hq, hk = cfg.head_size, cfg.num_attention_heads, cfg.kv_heads
+            parts: tuple[int, ...] = (hq * d, hk * d, hk * d)
+        else:  # gate_up_proj: gate and up halves (a layer's MLP, or its shared experts)
+            parts = (param.shape[0] // 2,) * 2
         parent = hf_name.rsplit(".", 2)[0]
         start = 0
-        for part, rows in zip(_MERGED[module], parts[module]):
+        for part, rows in zip(_MERGED[module], parts):
             slots[f"{parent}.{part}.{leaf}"] = _Slot(name, start, (rows, *param.shape[1:]))
             start += rows
         assert start == param.shape[0], f"{name}: parts add up to {start} rows"
     return slots
 
 
+def _per_expert_slots(
+    slots: dict[str, _Slot], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, _Slot]:
+    """Where the checkpoint holds one tensor per expert (DeepSeek's own layout:
+    ``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``) instead of
+    transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``: the slots of
+    those names, into the stacked weights. Each layer takes the layout its checkpoint has."""
+    out = dict(slots)
+    for name, slot in slots.items():
+        parent, _, leaf = name.rpartition(".")
+        if not parent.endswith(".mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+            continue
+        if name in shapes or f"{parent}.0.{_EXPERT_PARTS[leaf][0]}.weight" not in shapes:
+            continue
+        del out[name]
+        num_experts, rows, cols = slot.shape
+        per = rows // len(_EXPERT_PARTS[leaf])
+        for e in range(num_experts):
+            for i, part in enumerate(_EXPERT_PARTS[leaf]):
+                out[f"{parent}.{e}.{part}.weight"] = _Slot(slot.param, i * per, (per, cols), e)
+    return out
+
+
+_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
 def check_tensors(
     slots: dict[str, _Slot],
     shapes: dict[str, tuple[int, ...]],
-    cfg: LlamaConfig,
+    cfg: LlamaConfig | MLAConfig,
     architecture: str,
 ) -> None:
     """Every needed tensor present with its shape, and nothing else; else one error naming all."""
@@ -448,12 +584,25 @@ def check_tensors(
         raise WeightMismatchError(message, missing, unexpected, mismatched)
 
 
-def _describe(cfg: LlamaConfig, architecture: str) -> str:
+def _describe(cfg: LlamaConfig | MLAConfig, architecture: str) -> str:
+    if isinstance(cfg, MLAConfig):
+        experts = (
+            f", {cfg.n_routed_experts} experts of {cfg.moe_intermediate_size} from layer "
+            f"{cfg.first_k_dense_replace} (+{cfg.n_shared_experts} shared)"
+            if cfg.n_routed_experts is not None
+            else ""
+        )
+        shape = (
+            f"heads={cfg.num_attention_heads}, kv_lora_rank={cfg.kv_lora_rank}, "
+            f"q_lora_rank={cfg.q_lora_rank}, head dims {cfg.qk_nope_head_dim}+"
+            f"{cfg.qk_rope_head_dim}/{cfg.v_head_dim}{experts}"
+        )
+    else:
+        shape = f"heads={cfg.num_attention_heads}/{cfg.kv_heads} of size {cfg.head_size}"
     return (
         f"the checkpoint does not match the {architecture} its config describes "
         f"(hidden_size={cfg.hidden_size}, intermediate_size={cfg.intermediate_size}, "
-        f"layers={cfg.num_hidden_layers}, heads={cfg.num_attention_heads}/{cfg.kv_heads} "
-        f"of size {cfg.head_size}, vocab_size={cfg.vocab_size}):"
+        f"layers={cfg.num_hidden_layers}, {shape}, vocab_size={cfg.vocab_size}):"
     )
 
 
@@ -472,7 +621,7 @@ def _mismatch_message(header, missing, unexpected, mismatched, expected, shapes)
 
 
 def _materialize(
-    model: LlamaForCausalLM, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device
+    model: LlamaForCausalLM, cfg: LlamaConfig | MLAConfig, dtype: torch.dtype, device: torch.device
 ) -> LlamaForCausalLM:
     """Real (uninitialised) storage for the meta model; rotary caches computed again.
 
@@ -483,9 +632,7 @@ def _materialize(
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty may give the two names separate storage
         model.lm_head.weight = model.embed_tokens.weight
-    rope = RotaryEmbedding(
-        cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-    )
+    rope = type(model).make_rotary_emb(cfg)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
@@ -503,4 +650,23 @@ def _copy_weights(
     for name, tensor in tensors:
         slot = slots.get(name)
         if slot is not None:  # names were checked; the rest is a tied head or ignored buffers
-            params[slot.param][slot.start : slot.start + slot.shape[0]].copy_(tensor)
+            param = params[slot.param] if slot.expert is None else params[slot.param][slot.expert]
+            param[slot.start : slot.start + slot.shape[0]].copy_(tensor)
+
+
+@torch.no_grad()
+def _rotary_rows_to_halves(model: MLAForCausalLM, cfg: MLAConfig) -> None:
+    """DeepSeek rotates interleaved pairs (dims 2i and 2i+1 by frequency i); graphattn's
+    rotary rotates halves (dims i and i + r/2). Reordering the rotary rows of the query
+    projection (each head's last ``qk_rope_head_dim`` rows) and of the key's part of
+    ``kv_a_proj_with_mqa`` as evens then odds gives the same rotations, and as queries and
+    keys are reordered alike, the same scores."""
+    r, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+    for layer in model.layers:
+        attn = layer.self_attn
+        q = attn.q_proj if cfg.q_lora_rank is None else attn.q_b_proj
+        rows = q.weight.view(cfg.num_attention_heads, nope + r, -1)
+        rows[:, nope:] = rows[:, nope:][:, order.to(rows.device)]
+        kv = attn.kv_a_proj_with_mqa.weight
+        kv[cfg.kv_lora_rank :] = kv[cfg.kv_lora_rank :][order.to(kv.device)]

@@ -99,18 +99,24 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout), cos/sin looked up by position."""
+    """Rotary position embedding (rotate-half layout), cos/sin looked up by position.
+
+    ``scaling`` (Hugging Face's ``rope_scaling``): ``linear``, ``llama3`` or ``yarn``; YaRN
+    also scales cos and sin by its attention factor, as transformers does.
+    """
 
     def __init__(
         self, head_size: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+        magnitude = 1.0
         if scaling is not None:
-            inv_freq = _scale_inv_freq(inv_freq, scaling)
+            inv_freq = _scale_inv_freq(inv_freq, scaling, theta)
+            magnitude = rope_magnitude(scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        cache = torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # [P, D]
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        cache = magnitude * torch.cat([angles.cos(), angles.sin()], dim=-1)
+        self.register_buffer("cos_sin_cache", cache.float(), persistent=False)  # [P, D]
         self.head_size = head_size
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,37 +134,88 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], d: in
     return out.to(x.dtype).view(t, -1)
 
 
-def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.x frequency scaling: long wavelengths slowed by ``factor``, short ones kept."""
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return inv_freq
-    needs = {
-        "linear": ("factor",),
-        "llama3": (
-            "factor",
-            "low_freq_factor",
-            "high_freq_factor",
-            "original_max_position_embeddings",
-        ),
-    }
-    if kind not in needs:
-        raise ConfigError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
-    missing = [k for k in needs[kind] if not isinstance(scaling.get(k), (int, float))]
+_ROPE_NEEDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+
+
+def _rope_kind(scaling: dict[str, Any]) -> str:
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    if kind != "default" and kind not in _ROPE_NEEDS:
+        raise ConfigError(
+            f"rope scaling {kind!r} is not supported (default, {', '.join(_ROPE_NEEDS)})"
+        )
+    missing = [k for k in _ROPE_NEEDS.get(kind, ()) if not isinstance(scaling.get(k), (int, float))]
     if missing:
         raise ConfigError(
-            f"rope_scaling of type {kind!r} needs the numbers {list(needs[kind])}; missing or "
-            f"not a number: {missing} (got {scaling})"
+            f"rope_scaling of type {kind!r} needs the numbers {list(_ROPE_NEEDS[kind])}; missing "
+            f"or not a number: {missing} (got {scaling})"
         )
+    return kind
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], theta: float) -> torch.Tensor:
+    """The frequencies under ``scaling``: ``linear`` slows them all by ``factor``; ``llama3``
+    slows long wavelengths by ``factor`` and keeps short ones, blending between; ``yarn``
+    blends by the number of rotations a dimension makes within the original context."""
+    kind = _rope_kind(scaling)
+    if kind == "default":
+        return inv_freq
+    factor = scaling["factor"]
     if kind == "linear":
-        return inv_freq / scaling["factor"]
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        return inv_freq / factor
     old_len = scaling["original_max_position_embeddings"]
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, scaling, theta, factor, old_len)
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
     smooth = ((old_len / wavelen) - low) / (high - low)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
     return torch.where(wavelen < old_len / high, inv_freq, out)
+
+
+def _yarn_inv_freq(inv_freq, scaling, theta, factor, old_len) -> torch.Tensor:
+    """YaRN (Peng et al., 2023): dimensions that turn more than ``beta_fast`` times within
+    ``old_len`` positions keep their frequency, those that turn fewer than ``beta_slow``
+    times are slowed by ``factor`` (interpolated), and a linear ramp over the dimensions
+    between mixes the two. The ramp's ends are rounded outwards unless ``truncate`` is
+    False, as transformers does."""
+    dim = 2 * inv_freq.numel()
+
+    def dim_turning(times: float) -> float:  # the dimension that turns `times` times
+        return dim * math.log(old_len / (times * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if hi == lo:
+        hi += 0.001  # no division by zero where the ramp is a step
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, scale: float = 1.0) -> float:
+    """YaRN's magnitude correction for stretching positions by ``factor``: 0.1 * scale *
+    ln(factor) + 1 (1 where nothing is stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+
+def rope_magnitude(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (given, or from
+    ``mscale`` over ``mscale_all_dim`` where both are set, else from the factor alone);
+    1 for every other kind."""
+    if scaling is None or _rope_kind(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+    return yarn_mscale(factor)
 
 
 class LlamaAttention(nn.Module):
@@ -185,10 +242,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inner = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -199,12 +257,16 @@ class LlamaDecoderLayer(nn.Module):
     # (cfg, prefix) -> the attention block (graphattn.models.mla's layer gives its own)
     attention_cls: type[nn.Module] = LlamaAttention
 
-    def __init__(self, cfg: LlamaConfig, prefix: str) -> None:
+    def __init__(self, cfg: LlamaConfig, prefix: str, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_cls(cfg, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.make_mlp(cfg, index)
+
+    def make_mlp(self, cfg: LlamaConfig, index: int) -> nn.Module:
+        """Layer ``index``'s MLP (graphattn.models.mla's layers may take a mixture of experts)."""
+        return LlamaMLP(cfg)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x))
@@ -214,7 +276,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits`` -> [T, V]."""
 
-    layer_cls: type[nn.Module] = LlamaDecoderLayer  # (cfg, prefix) -> one decoder layer
+    layer_cls: type[nn.Module] = LlamaDecoderLayer  # (cfg, prefix, index) -> one decoder layer
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -224,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         # one table for all layers: [max_positions, rotated dims] float32
         self.rotary_emb = self.make_rotary_emb(cfg)
         self.layers = nn.ModuleList(
-            self.layer_cls(cfg, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
+            self.layer_cls(cfg, f"model.layers.{i}", i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -1,4 +1,4 @@
-"""A small decoder with DeepSeek-V2's multi-head latent attention (MLA) on ``ga.MLAAttention``.
+"""A DeepSeek-V2-style decoder: multi-head latent attention (MLA) on ``ga.MLAAttention``.
 
 Each layer projects the hidden state to a compressed KV (``kv_lora_rank``) and a rotary key
 part shared by all heads, and caches only those; ``kv_b_proj`` expands the compressed KV to
@@ -7,27 +7,39 @@ query and the output instead. The forward takes
 ``input_ids [T]`` and ``positions [T]`` and returns hidden states ``[T, hidden]``;
 ``compute_logits`` maps them to ``[T, vocab]``. Random weights: ``init_random_weights``.
 
-Where it differs from DeepSeek-V2 (so no checkpoint of it loads as is): the MLP of every
-layer is dense SwiGLU (no mixture of experts); the rotary embedding uses the rotate-half
-layout of the example Llama (DeepSeek rotates interleaved pairs); no YaRN scaling of the
-positions or of the softmax scale.
+The MLP is dense SwiGLU, or, with ``n_routed_experts`` set, DeepSeek-V2's mixture of experts
+from layer ``first_k_dense_replace`` on: a softmax router picks ``num_experts_per_tok``
+experts a token (``greedy``, or ``group_limited_greedy`` within the best ``topk_group`` of
+``n_group`` groups), their outputs weighted by the router's probabilities times
+``routed_scaling_factor``, plus ``n_shared_experts`` always-on experts as one wider MLP.
+The experts are computed for every token and weighted (zero for the experts not picked):
+static shapes that trace and capture like any other layer, at the cost of reading every
+expert's weights each step. It is the model's reference computation, not a fast MoE.
+
+The rotary embedding rotates halves (the example Llama's layout); DeepSeek's checkpoints
+rotate interleaved pairs, so ``graphattn.models.load`` reorders the rotary rows of the
+query and key projections, which leaves every score unchanged. ``rope_scaling`` may be
+YaRN, which also scales the softmax (``softmax_scale``) as DeepSeek-V2 does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from graphattn.attention.layer import MLAAttention
+from graphattn.errors import ConfigError
 from graphattn.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaMLP,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    yarn_mscale,
 )
 
 
@@ -47,12 +59,56 @@ class MLAConfig:
     v_head_dim: int = 128
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
+    # the mixture of experts (None: a dense MLP in every layer)
+    n_routed_experts: int | None = None
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 1408
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0  # layers before it keep the dense MLP
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # or "group_limited_greedy"
+    n_group: int | None = None
+    topk_group: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_routed_experts is None:
+            return
+        e, k = self.n_routed_experts, self.num_experts_per_tok
+        if not 0 < k <= e:
+            raise ConfigError(f"num_experts_per_tok must lie in [1, {e}] (the experts), got {k}")
+        if self.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(
+                f"topk_method must be 'greedy' or 'group_limited_greedy', got {self.topk_method!r}"
+            )
+        if self.topk_method == "group_limited_greedy":
+            g, top = self.n_group, self.topk_group
+            if not (isinstance(g, int) and g > 0 and e % g == 0):
+                raise ConfigError(f"n_group must divide n_routed_experts ({e}), got {g!r}")
+            if not (isinstance(top, int) and 0 < top <= g and k <= top * (e // g)):
+                raise ConfigError(
+                    f"topk_group must lie in [1, n_group={g}] and leave {k} experts to pick, "
+                    f"got {top!r}"
+                )
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1 / sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim) squared where
+        the rope is YaRN with ``mscale_all_dim`` (DeepSeek-V2's long-context scaling)."""
+        scale = self.qk_head_dim**-0.5
+        rope = self.rope_scaling or {}
+        if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("mscale_all_dim"):
+            scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+        return scale
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.n_routed_experts is not None and index >= self.first_k_dense_replace
 
     @classmethod
     def tiny(cls, **overrides: Any) -> MLAConfig:
@@ -100,7 +156,7 @@ class MLASelfAttention(nn.Module):
             qk_nope_head_dim=cfg.qk_nope_head_dim,
             qk_rope_head_dim=cfg.qk_rope_head_dim,
             v_head_dim=cfg.v_head_dim,
-            scale=cfg.qk_head_dim**-0.5,
+            scale=cfg.softmax_scale,
             prefix=f"{prefix}.attn",
         )
 
@@ -122,10 +178,70 @@ class MLASelfAttention(nn.Module):
         return self.o_proj(out)
 
 
+class MoE(nn.Module):
+    """DeepSeek-V2's mixture of experts (see the module): a router, ``n_routed_experts``
+    SwiGLU experts stored as two stacked weights (Hugging Face's layout: ``gate_up_proj``
+    ``[E, 2 * inner, hidden]``, ``down_proj`` ``[E, hidden, inner]``), and the shared
+    experts."""
+
+    def __init__(self, cfg: MLAConfig) -> None:
+        super().__init__()
+        e, inner, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.cfg = cfg
+        self.gate = nn.Linear(hidden, e, bias=False)
+        self.experts = Experts(e, hidden, inner)
+        self.shared_experts = (
+            LlamaMLP(cfg, inner * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def routing_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` fp32: each token's picked experts' probabilities times
+        ``routed_scaling_factor``, 0 for the rest."""
+        cfg = self.cfg
+        probs = nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1)
+        candidates = probs
+        if cfg.topk_method == "group_limited_greedy":  # only experts of the best groups
+            groups = probs.view(x.shape[0], cfg.n_group, -1)
+            best = groups.amax(-1).topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
+            keep = torch.zeros_like(groups[..., 0]).scatter(1, best, 1.0)  # [T, n_group]
+            candidates = (groups * keep[..., None]).view_as(probs)
+        top = candidates.topk(cfg.num_experts_per_tok, dim=-1)
+        picked = top.values * cfg.routed_scaling_factor
+        return torch.zeros_like(probs).scatter(1, top.indices, picked)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.routing_weights(x))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class Experts(nn.Module):
+    """The routed experts, each a SwiGLU MLP, computed for every token and summed with the
+    routing weights (0 for the experts a token did not pick)."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(self.gate_up_proj.shape[0]):
+            gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+            out = out + y.float() * weights[:, e : e + 1]
+        return out.to(x.dtype)
+
+
 class MLADecoderLayer(LlamaDecoderLayer):
-    """The Llama layer (pre-norm residual blocks, SwiGLU MLP) around MLA attention."""
+    """The Llama layer (pre-norm residual blocks) around MLA attention, with DeepSeek-V2's
+    mixture of experts where the config puts one."""
 
     attention_cls = MLASelfAttention
+
+    def make_mlp(self, cfg: MLAConfig, index: int) -> nn.Module:  # type: ignore[override]
+        return MoE(cfg) if cfg.is_moe_layer(index) else LlamaMLP(cfg)
 
 
 class MLAForCausalLM(LlamaForCausalLM):
@@ -137,5 +253,5 @@ class MLAForCausalLM(LlamaForCausalLM):
     @staticmethod
     def make_rotary_emb(cfg: MLAConfig) -> RotaryEmbedding:  # type: ignore[override]
         return RotaryEmbedding(
-            cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, None
+            cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
