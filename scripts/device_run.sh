@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the checkout, then run the named parts, each logging under
 # $OUT. Parts: tests (pytest -m gpu; about 700 s since round 38, over one call's limit), tests-1,
-# tests-2 and tests-3 (the same suite in three calls: files test_[a-f]*, test_[g-z]*, then round
-# 40's MLA and speculative-decoding files, which the first two leave out), attention
+# tests-2, tests-3 and tests-4 (the same suite in four calls: files test_[a-f]*, test_[g-z]*, then
+# round 40's MLA and speculative-decoding files, which the first two leave out, then round 41's
+# DeepSeek-V2 checkpoints in every mode, which tests-2 leaves out), attention
 # (benchmarks/attention.py), decode (benchmarks/decode.py), profile (benchmarks/profile_decode.py),
 # splits (benchmarks/decode_splits.py), gemv (benchmarks/gemv.py), fused (benchmarks/fused_ops.py),
 # pdl (benchmarks/pdl_chain.py), tiles (benchmarks/gemv_tiles.py), l2 (benchmarks/l2_prefetch.py),
@@ -30,16 +31,19 @@ for part in "$@"; do
   case "$part" in
     tests) eval "python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 ${GA_PYTEST_ARGS:-}" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40; rc=${PIPESTATUS[0]} ;;
-    tests-1|tests-2|tests-3)  # the suite in three calls: since round 38 it outlasts one call's 600 s
-             # tests-3: round 40's MLA and speculative-decoding files; tests-1 and -2 the rest
+    tests-1|tests-2|tests-3|tests-4)  # the suite in four calls: it outlasts one call's 600 s
+             # tests-3: round 40's MLA and speculative-decoding files; tests-4: round 41's
+             # DeepSeek-V2 checkpoints (test_hf_models.py -k deepseek); tests-1 and -2 the rest
              third="tests/test_mla.py tests/test_spec_decode.py tests/test_benchmark_mla.py tests/test_benchmark_spec_decode.py"
+             select=""
              case "$part" in
                tests-1) files=$(echo tests/test_[a-f]*.py) ;;
-               tests-2) files=$(echo tests/test_[g-z]*.py) ;;
+               tests-2) files=$(echo tests/test_[g-z]*.py); select="-k 'not deepseek'" ;;
                tests-3) files=$third ;;
+               tests-4) files=tests/test_hf_models.py; select="-k deepseek" ;;
              esac
-             [ "$part" = tests-3 ] || files=$(for f in $files; do case " $third " in *" $f "*) ;; *) echo "$f" ;; esac; done | tr '\n' ' ')
-             eval "python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 $files ${GA_PYTEST_ARGS:-}" 2>&1 \
+             case "$part" in tests-1|tests-2) files=$(for f in $files; do case " $third " in *" $f "*) ;; *) echo "$f" ;; esac; done | tr '\n' ' ') ;; esac
+             eval "python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 $files $select ${GA_PYTEST_ARGS:-}" 2>&1 \
              | tee "$OUT/gpu-$part.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     attention) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 \
              | tee "$OUT/attention.log" | tail -40; rc=${PIPESTATUS[0]} ;;
