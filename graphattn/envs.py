@@ -62,6 +62,17 @@ def fold_o_proj() -> bool:
     return raw == "1"
 
 
+def dense_experts() -> bool:
+    """``GRAPHATTN_DENSE_EXPERTS``: ``1`` runs a mixture of experts (``models.mla.Experts``)
+    densely, every expert on every token, even where ``torch._grouped_mm`` would serve;
+    ``0``, the default, takes the grouped GEMM where it does. Read when the model is traced
+    (or, uncompiled, at each step)."""
+    raw = os.environ.get("GRAPHATTN_DENSE_EXPERTS", "0") or "0"
+    if raw not in ("0", "1"):
+        raise ConfigError(f"GRAPHATTN_DENSE_EXPERTS must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def check_pdl() -> None:
     """``GRAPHATTN_PDL`` (read by ``graphattn.kernels.pdl``, which imports only torch and
     triton): unset, empty, ``0`` or ``1``; anything else (``false``, ``off``) would leave

@@ -140,6 +140,52 @@ def test_bf16_on_the_cpu_matches_dense_mla():
     assert rel_err(out, _expected(model, seqs)) < 3e-2
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_grouped_and_dense_experts_give_the_same_sums(dtype, tol):
+    """The two ways Experts runs (see its docstring) on one routing: tokens that share
+    experts, experts no token picked, a token's picks in any order."""
+    from graphattn.models.mla import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(6, 64, 32).to(dtype).requires_grad_(False)
+    for p in experts.parameters():
+        p.normal_(0, 0.2)
+    x = torch.randn(9, 64).to(dtype)
+    picked = torch.tensor([[5, 0], [0, 5], [2, 3], [3, 2], [5, 2], [0, 3], [3, 5], [2, 0], [5, 3]])
+    weights = torch.rand(9, 2)
+    dense, grouped = experts.dense(x, picked, weights), experts.grouped(x, picked, weights)
+    assert rel_err(grouped, dense) < tol
+    one = experts.dense(x[4:5], picked[4:5, :1], weights[4:5, :1])  # one token, one expert
+    gate, up = torch.nn.functional.linear(x[4:5], experts.gate_up_proj[5]).chunk(2, dim=-1)
+    mlp = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, experts.down_proj[5])
+    assert rel_err(one, mlp * weights[4, 0]) < tol
+
+
+def test_bf16_experts_are_grouped_and_compiled_as_dense_ones_are(tmp_path, monkeypatch):
+    """bf16 on the CPU: the traced model takes the grouped GEMM (torch._grouped_mm, through
+    Inductor) and gives the rows of an engine whose experts run densely
+    (GRAPHATTN_DENSE_EXPERTS=1); both close to the dense float64 MLA."""
+    from graphattn.models.mla import grouped_gemm_serves
+
+    model = _model(dtype=torch.bfloat16, **SHAPES["moe"])
+    cfg = model.config
+    assert grouped_gemm_serves("cpu", None, torch.bfloat16, 128, cfg.moe_intermediate_size)
+    assert not grouped_gemm_serves("cpu", None, torch.float32, 128, cfg.moe_intermediate_size)
+    grouped = _engine(copy.deepcopy(model), compile_backend="inductor", cache_dir=str(tmp_path))
+    monkeypatch.setenv("GRAPHATTN_DENSE_EXPERTS", "1")
+    assert not grouped_gemm_serves("cpu", None, torch.bfloat16, 128, cfg.moe_intermediate_size)
+    dense = _engine(copy.deepcopy(model), compile_backend="inductor", cache_dir=str(tmp_path))
+    seqs = make_seqs(np.random.default_rng(8), [(0, 11), (19, 1), (25, 5)], 512, 16, 64)
+    for e in (grouped, dense):
+        prefill_prefixes(e, seqs)
+    batch = ga.Batch.from_requests([s.request() for s in seqs])
+    got, want = grouped.step(batch), dense.step(batch)
+    assert rel_err(got, want) < 2e-2
+    assert rel_err(got, _expected(model, seqs)) < 3e-2
+    # the setting is part of the trace cache's key: the second engine traced anew
+    assert not dense.report.compile["trace_cache"].startswith("loaded")
+
+
 def test_incremental_decoding_equals_one_prefill():
     model = _model()
     engine = _engine(model)

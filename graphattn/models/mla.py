@@ -12,9 +12,10 @@ from layer ``first_k_dense_replace`` on: a softmax router picks ``num_experts_pe
 experts a token (``greedy``, or ``group_limited_greedy`` within the best ``topk_group`` of
 ``n_group`` groups), their outputs weighted by the router's probabilities times
 ``routed_scaling_factor``, plus ``n_shared_experts`` always-on experts as one wider MLP.
-The experts are computed for every token and weighted (zero for the experts not picked):
-static shapes that trace and capture like any other layer, at the cost of reading every
-expert's weights each step. It is the model's reference computation, not a fast MoE.
+The experts run as one grouped GEMM over the (token, pick) rows sorted by expert where
+``torch._grouped_mm`` serves the device and dtype without a host sync (bf16 on Hopper and
+Blackwell GPUs and on the CPU), else every expert on every token, weighted (``Experts``);
+both keep the step's shapes static, so the layer traces and captures like any other.
 
 The rotary embedding rotates halves (the example Llama's layout); DeepSeek's checkpoints
 rotate interleaved pairs, so ``graphattn.models.load`` reorders the rotary rows of the
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphattn import envs
 from graphattn.attention.layer import MLAAttention
 from graphattn.errors import ConfigError
 from graphattn.models.llama import (
@@ -194,9 +196,9 @@ class MoE(nn.Module):
             LlamaMLP(cfg, inner * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
 
-    def routing_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, E]`` fp32: each token's picked experts' probabilities times
-        ``routed_scaling_factor``, 0 for the rest."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's picked experts ``[T, k]`` and their weights ``[T, k]`` fp32: the
+        router's probabilities (softmax in fp32) times ``routed_scaling_factor``."""
         cfg = self.cfg
         probs = nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1)
         candidates = probs
@@ -206,32 +208,84 @@ class MoE(nn.Module):
             keep = torch.zeros_like(groups[..., 0]).scatter(1, best, 1.0)  # [T, n_group]
             candidates = (groups * keep[..., None]).view_as(probs)
         top = candidates.topk(cfg.num_experts_per_tok, dim=-1)
-        picked = top.values * cfg.routed_scaling_factor
-        return torch.zeros_like(probs).scatter(1, top.indices, picked)
+        return top.indices, top.values * cfg.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.routing_weights(x))
+        out = self.experts(x, *self.route(x))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
 
 class Experts(nn.Module):
-    """The routed experts, each a SwiGLU MLP, computed for every token and summed with the
-    routing weights (0 for the experts a token did not pick)."""
+    """The routed experts, each a SwiGLU MLP, stacked. Two ways to run them, the same sums:
+
+    - grouped: the (token, pick) rows sorted by expert and each expert's rows multiplied by
+      its weights in one ``torch._grouped_mm`` (a step reads only the experts its tokens
+      picked). Static shapes and, where the GEMM needs no host sync, capturable: bf16 on
+      Hopper/Blackwell GPUs, and bf16 on the CPU (rows a multiple of 16 bytes).
+    - dense: every expert on every token, weighted by the router (0 for the experts a token
+      did not pick); it reads every expert's weights each step. Everywhere else: fp32 and
+      fp16 (torch traces the grouped GEMM in bf16 only, and on a GPU runs other dtypes as a
+      loop that syncs with the host), other GPUs, ``GRAPHATTN_DENSE_EXPERTS=1``.
+    """
 
     def __init__(self, num_experts: int, hidden: int, inner: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        inner = self.down_proj.shape[-1]
+        if grouped_gemm_serves(x.device.type, x.device.index, x.dtype, x.shape[-1], inner):
+            return self.grouped(x, picked, weights)
+        return self.dense(x, picked, weights)
+
+    def grouped(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        num_experts, k = self.gate_up_proj.shape[0], picked.shape[1]
+        flat = picked.reshape(-1)  # [T * k]: row t * k + j is token t's j-th pick
+        order = flat.argsort(stable=True)  # the rows, grouped by expert
+        token = order // k
+        ones = torch.ones_like(flat, dtype=torch.int32)
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+        ends = counts.scatter_add(0, flat, ones).cumsum(0, dtype=torch.int32)  # each group's end
+        gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(
+            2, dim=-1
+        )
+        y = torch._grouped_mm(
+            nn.functional.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends
+        )  # [T * k, hidden], in expert order
+        y = y.float() * weights.reshape(-1)[order, None]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add(0, token, y).to(x.dtype)
+
+    def dense(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        num_experts = self.gate_up_proj.shape[0]
+        every = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
+        every = every.scatter(1, picked, weights)  # [T, E], 0 for the experts not picked
         out = torch.zeros_like(x, dtype=torch.float32)
-        for e in range(self.gate_up_proj.shape[0]):
+        for e in range(num_experts):
             gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
             y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
-            out = out + y.float() * weights[:, e : e + 1]
+            out = out + y.float() * every[:, e : e + 1]
         return out.to(x.dtype)
+
+
+@torch.compiler.assume_constant_result
+def grouped_gemm_serves(
+    device_type: str, index: int | None, dtype: torch.dtype, hidden: int, inner: int
+) -> bool:
+    """Whether ``Experts`` takes ``torch._grouped_mm`` for these inputs (a constant of the
+    traced model: the device and dtype are fixed when it is traced)."""
+    if not hasattr(torch, "_grouped_mm") or envs.dense_experts():
+        return False
+    if dtype != torch.bfloat16:  # torch's shape function (what tracing runs) takes bf16 only
+        return False
+    if device_type == "cuda":  # the CUTLASS path: no host sync, so CUDA graphs capture it
+        return torch.cuda.get_device_capability(index)[0] in (9, 10)
+    if device_type == "cpu":  # torch >= 2.9's CPU kernel: rows of a multiple of 16 bytes
+        return all(n * 2 % 16 == 0 for n in (hidden, inner))
+    return False
 
 
 class MLADecoderLayer(LlamaDecoderLayer):
