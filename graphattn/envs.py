@@ -65,8 +65,8 @@ def fold_o_proj() -> bool:
 def dense_experts() -> bool:
     """``GRAPHATTN_DENSE_EXPERTS``: ``1`` runs a mixture of experts (``models.mla.Experts``)
     densely, every expert on every token, even where ``torch._grouped_mm`` would serve;
-    ``0``, the default, takes the grouped GEMM where it does. Read when the model is traced
-    (or, uncompiled, at each step)."""
+    ``0``, the default, takes the grouped GEMM where it does. Read when the model is made and
+    each time it is moved or cast (``.to``)."""
     raw = os.environ.get("GRAPHATTN_DENSE_EXPERTS", "0") or "0"
     if raw not in ("0", "1"):
         raise ConfigError(f"GRAPHATTN_DENSE_EXPERTS must be 0 or 1, got {raw!r}")

@@ -356,8 +356,6 @@ def _base_factors(
         # a patch of Inductor's config per build: not in the config described below
         "inductor_pdl": options.inductor_pdl,
         "fold_o_proj": options.fold_o_proj,  # changes the traced graph before its split
-        # read by models.mla.Experts while it is traced: grouped GEMM or every expert
-        "dense_experts": envs.dense_experts(),
     }
     factors = base_factors(options.cache_factors, passes.uuid(), settings)
     matmul = torch.backends.cuda.matmul

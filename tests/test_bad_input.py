@@ -555,7 +555,12 @@ def test_the_vocabulary_is_read_from_the_models_config_too():
     [
         ({"rope_type": "llama3", "factor": 8.0}, r"missing or not a number: \['low_freq_factor'"),
         ({"rope_type": "linear"}, r"missing or not a number: \['factor'\]"),
-        ({"rope_type": "yarn", "factor": 4.0}, "rope scaling 'yarn' is not supported"),
+        ({"rope_type": "dynamic", "factor": 4.0}, "rope scaling 'dynamic' is not supported"),
+        ({"rope_type": "yarn", "factor": "4"}, r"missing or not a number: \['factor'\]"),
+        (
+            {"rope_type": "yarn", "factor": 4, "mscale": "1"},
+            r"missing or not a number: \['mscale'\]",
+        ),
     ],
 )
 def test_a_llama_config_with_a_bad_rope_scaling_is_a_config_error(scaling, message):

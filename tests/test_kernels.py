@@ -917,10 +917,11 @@ def compile_for_hopper() -> list[dict]:
         for mixed in (False, True) if heads == 16 else (True,):
             constants = mla_attention.kernel_constants(rank, rope, dtype, 16, split, "cuda")
             options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
-            constants |= dict(HEADS=heads, BLOCK_Q=16 // heads, MIXED=mixed)
+            per = mla_attention.heads_per_tile(heads) if mixed else mla_attention.BLOCK_H
+            constants |= dict(HEADS=per, BLOCK_Q=mla_attention.BLOCK_H // per, MIXED=mixed)
             src = ASTSource(mla, _signature(mla, dtype), constants, _aligned(mla))
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-            kind = f"causal {16 // heads} x {heads}" if mixed else "decode"
+            kind = f"causal {mla_attention.BLOCK_H // per} x {per}" if mixed else "decode"
             name = f"mla {kind} {dtype} {rank}+{rope} split={split}"
             results.append(dict(case=name, shared=compiled.metadata.shared, spill=_spill(compiled)))
     folded = split_kv._reduce_o_proj_kernel  # every group width it folds, as launched

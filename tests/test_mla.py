@@ -168,12 +168,16 @@ def test_bf16_experts_are_grouped_and_compiled_as_dense_ones_are(tmp_path, monke
     from graphattn.models.mla import grouped_gemm_serves
 
     model = _model(dtype=torch.bfloat16, **SHAPES["moe"])
-    cfg = model.config
-    assert grouped_gemm_serves("cpu", None, torch.bfloat16, 128, cfg.moe_intermediate_size)
-    assert not grouped_gemm_serves("cpu", None, torch.float32, 128, cfg.moe_intermediate_size)
+    cpu, inner = torch.device("cpu"), model.config.moe_intermediate_size
+    assert grouped_gemm_serves(cpu, torch.bfloat16, 128, inner)
+    assert not grouped_gemm_serves(cpu, torch.float32, 128, inner)
+    assert model.layers[1].mlp.experts.use_grouped  # decided when the model was cast
+    assert not model.float().layers[1].mlp.experts.use_grouped  # and again on each cast
+    model = model.bfloat16()
     grouped = _engine(copy.deepcopy(model), compile_backend="inductor", cache_dir=str(tmp_path))
     monkeypatch.setenv("GRAPHATTN_DENSE_EXPERTS", "1")
-    assert not grouped_gemm_serves("cpu", None, torch.bfloat16, 128, cfg.moe_intermediate_size)
+    model = model.to(torch.bfloat16)  # read again on a move or cast
+    assert not model.layers[1].mlp.experts.use_grouped
     dense = _engine(copy.deepcopy(model), compile_backend="inductor", cache_dir=str(tmp_path))
     seqs = make_seqs(np.random.default_rng(8), [(0, 11), (19, 1), (25, 5)], 512, 16, 64)
     for e in (grouped, dense):
@@ -318,9 +322,9 @@ def test_the_decode_kernel_matches_the_reference(
     heads=st.sampled_from([1, 3, 4, 16, 20]),
     block_size=st.sampled_from([8, 16]),
     splits=st.sampled_from([1, 3]),
-    # (cached tokens, new tokens) a request; (0, n): a padding request of n tokens
     reqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 19)), min_size=1, max_size=4),
-    padding=st.integers(0, 2),
+    # padding requests of length 0, owning one token each or (past the tokens) none
+    padding=st.lists(st.sampled_from([0, 1]), max_size=3).map(sorted).map(lambda p: p[::-1]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
@@ -329,15 +333,16 @@ def test_the_mixed_kernel_matches_the_reference(
 ):
     """``mla_attention`` (any batch, causal, in one launch) against paged_attention_ref:
     prefills, chunked prefills, decodes and verify-sized requests together; tiles of several
-    tokens where there are fewer than 16 heads; padding requests of length 0 that own
-    tokens, and padding tokens past the last request, which are not written."""
+    tokens where there are fewer than 16 heads; padding requests of length 0 that own a
+    token (their rows zero, split or not) or none (as where a graph's key pads more requests
+    than tokens), and padding tokens past the last request, which are not written."""
     from graphattn.kernels import mla_attention, split_kv
     from graphattn.kernels.reference import paged_attention_ref
 
     gen = torch.Generator().manual_seed(seed)
     real = [(c, q) for c, q in reqs]
-    lens = [c + q for c, q in real] + [0] * padding
-    q_lens = [q for _, q in real] + [1] * padding
+    lens = [c + q for c, q in real] + [0] * len(padding)
+    q_lens = [q for _, q in real] + padding
     starts_list = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
     num_tokens = starts_list[-1] + 2  # two tokens past the last request
     width = 60 // block_size + 1
@@ -367,9 +372,27 @@ def test_the_mixed_kernel_matches_the_reference(
     end = starts_list[n]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(out[:end].float(), ref[:end]) < tol
-    if splits == 1:  # the padding requests' rows see no key (the reduction skips them)
-        assert (out[end : starts_list[-1]] == 0).all()
+    assert (out[end : starts_list[-1]] == 0).all()  # the padding requests' rows see no key
     assert out[starts_list[-1] :].isnan().all()  # past the last request: not written
+
+
+@pytest.mark.parametrize("heads", [1, 4, 16, 20, 128])
+def test_every_launch_splits_within_the_scratch(heads):
+    """TRITON_MLA's split count for every padded batch up to max_num_seqs tokens, decode or
+    not: its partial rows fit the scratch (split_rows), and only few programs split."""
+    from graphattn.kernels import mla_attention as m
+
+    max_tokens, sms = 64, 132
+    rows = m.split_rows(max_tokens, heads, sms)
+    assert rows < max_tokens * heads * m.MAX_SPLITS  # sized by the need, not the worst case
+    for t in range(1, max_tokens + 2):
+        for r in sorted({1, 2, t // 2 or 1, t}):
+            for decode in (True, False) if r == t else (False,):
+                splits = m.split_count(t, r, heads, sms, max_tokens, decode)
+                assert 1 <= splits <= m.MAX_SPLITS
+                assert splits == 1 or t * heads * splits <= rows, (t, r, decode, splits)
+    assert m.split_count(1, 1, heads, sms, max_tokens, True) > 1  # one decode fills no GPU
+    assert m.split_count(max_tokens + 1, 1, heads, sms, max_tokens, False) == 1
 
 
 def test_the_mixed_kernel_with_one_token_a_request_equals_the_decode_kernel():
@@ -437,9 +460,9 @@ def test_triton_mla_through_the_engine_matches_dense_mla():
         # a prefill, a chunk and decodes as a mixed graph of 48 tokens and 8 requests: the
         # causal kernel (8 requests fill the interpreter's four "SMs" twice: no split)
         ([(0, 9), (21, 1), (40, 13), (3, 1)], (48, 8, False)),
-        # verify steps of 4 tokens a request as a graph of 16 tokens and 4 requests: the
-        # causal kernel in two splits (16 tokens fit the scratch of max_num_seqs)
-        ([(12, 4), (33, 4)], (16, 4, False)),
+        # verify steps of 4 tokens a request as a graph of 8 tokens and 2 requests: the
+        # causal kernel in two splits (4 tiles of 4 tokens x 4 heads fill no two waves)
+        ([(12, 4), (33, 4)], (8, 2, False)),
     ],
 )
 def test_triton_mla_batches_padded_as_a_graph_replays_them(monkeypatch, shape, key):
@@ -458,7 +481,7 @@ def test_triton_mla_batches_padded_as_a_graph_replays_them(monkeypatch, shape, k
     out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
     assert rel_err(out, _expected(model, seqs)) < 1e-5
     assert engine.stats.runtime_modes["FULL"] == 1
-    assert ("split" in engine.attn_groups[0].builder.scratch) == (key[0] == 16)
+    assert ("split" in engine.attn_groups[0].builder.scratch) == (key == (8, 2, False))
 
 
 def test_triton_mla_allows_full_graphs_for_every_batch():

@@ -22,7 +22,9 @@ with more than one split stores its rows and their log-sum-exp (base 2) in the s
   The grid, ``T // BLOCK_Q + R`` tiles, depends only on the padded token and request
   counts, so a CUDA graph replays it for any batch of those sizes.
 
-Requests of sequence length 0 (padding) write zeros, or rows the reduction skips.
+Requests of sequence length 0 (padding) get zero rows (split or not: the reduction writes
+zeros for rows no split saw a key of); tokens past ``query_start_loc[num_reqs]`` are not
+written.
 
 Reference: ``graphattn.kernels.reference.paged_attention_ref`` with the values a view of the
 keys' first ``kv_lora_rank`` columns (as TORCH_REF_MLA calls it).
@@ -30,11 +32,14 @@ keys' first ``kv_lora_rank`` columns (as TORCH_REF_MLA calls it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from graphattn.kernels import split_kv
+from graphattn.kernels.attention_plan import choose_num_splits
 from graphattn.kernels.checks import (
     expect_dim,
     expect_dtype,
@@ -43,7 +48,7 @@ from graphattn.kernels.checks import (
     expect_same_device,
     expect_unit_last_stride,
 )
-from graphattn.kernels.unified_attention import _find_request, _split_range
+from graphattn.kernels.unified_attention import _split_range, query_tile
 
 LOG2E = 1.4426950408889634
 BLOCK_H = 16  # rows a program (tokens x heads): tl.dot needs 16 rows; rows past the end are masked
@@ -79,6 +84,47 @@ def heads_per_tile(num_heads: int) -> int:
     """Heads a program of ``mla_attention`` takes: 16, or all of them where fewer (rounded up
     to a power of two); its tiles hold ``BLOCK_H // heads_per_tile`` tokens."""
     return min(BLOCK_H, triton.next_power_of_2(num_heads))
+
+
+def split_count(
+    num_tokens: int,
+    num_reqs: int,
+    num_heads: int,
+    num_sms: int,
+    max_tokens: int,
+    uniform_decode: bool,
+) -> int:
+    """Split-KV splits for a launch of ``num_tokens`` tokens of ``num_reqs`` requests (both
+    padded): more than one only where its programs would not fill the GPU twice and its
+    partial rows fit the scratch (``split_rows``) of a launch of at most ``max_tokens``
+    tokens. Decodes (``uniform_decode``) count a program per request and 16 heads, other
+    batches one per query tile and block of heads."""
+    if num_tokens > max_tokens:
+        return 1
+    if uniform_decode:
+        programs = num_reqs * triton.cdiv(num_heads, BLOCK_H)
+    else:
+        heads = heads_per_tile(num_heads)
+        tiles = num_tokens // (BLOCK_H // heads) + num_reqs
+        programs = tiles * triton.cdiv(num_heads, heads)
+    splits = min(MAX_SPLITS, choose_num_splits(programs, 1, num_sms))
+    return max(
+        1, min(splits, split_rows(max_tokens, num_heads, num_sms) // (num_tokens * num_heads))
+    )
+
+
+@functools.cache
+def split_rows(max_tokens: int, num_heads: int, num_sms: int) -> int:
+    """Partial rows (token x head x split) the scratch holds: the most any decode launch of
+    up to ``max_tokens`` requests needs. Splits are asked for only where the programs are
+    few, so this is far below ``max_tokens x heads x MAX_SPLITS``: 32 MiB of scratch at
+    DeepSeek-V2's 128 heads and rank 512 on 132 SMs with 128 requests, against 256 MiB.
+    Other launches take at most as many splits as fit."""
+    blocks = triton.cdiv(num_heads, BLOCK_H)
+    return max(
+        t * num_heads * min(MAX_SPLITS, choose_num_splits(t * blocks, 1, num_sms))
+        for t in range(1, max_tokens + 1)
+    )
 
 
 def mla_decode(
@@ -263,13 +309,11 @@ def _mla_kernel(
     heads = tl.program_id(1) * HEADS + rows % HEADS  # [H]
     if MIXED:  # this tile's request, its tokens and their positions (unified_attention's way)
         tile_id = tl.num_programs(0) - 1 - tl.program_id(0)  # long causal tiles first
-        req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)
-        q_start = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-        first = (tile_id - q_start // BLOCK_Q - req) * BLOCK_Q  # the tile's first token
+        req, q_start, q_len, first, seq_len = query_tile(
+            query_start_loc_ptr, seq_lens_ptr, num_reqs, tile_id, BLOCK_Q
+        )
         if first >= q_len:  # the request has fewer tiles than its bound
             return
-        seq_len = tl.load(seq_lens_ptr + req)
         context = seq_len - q_len
         token = first + rows // HEADS  # [H] within the request
         row_ok = (token < q_len) & (heads < num_heads)

@@ -327,12 +327,10 @@ def _attention_kernel(
     # start in the first wave and the short ones fill the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    first = (tile_id - q_start // BLOCK_Q - req) * BLOCK_Q  # the tile's first token in the request
+    req, q_start, q_len, first, seq_len = query_tile(
+        query_start_loc_ptr, seq_lens_ptr, num_reqs, tile_id, BLOCK_Q
+    )
     has_tile = first < q_len  # false: the request has fewer tiles than its bound
-    seq_len = tl.load(seq_lens_ptr + req)
     context = seq_len - q_len
     rows = tl.arange(0, BLOCK_M)
     token = first + rows // G_PAD  # [M] query token within the request
@@ -470,6 +468,22 @@ def _prefetch_tile(
     offs = rows[:, None] + (tl.minimum(line, lines - 1) * per_line)[None, :]  # [N, L]
     prefetch_l2(k_cache_ptr + offs)
     prefetch_l2(v_cache_ptr + offs)
+
+
+@triton.jit
+def query_tile(query_start_loc_ptr, seq_lens_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr):
+    """Query tile ``tile_id`` of a launch whose requests own ``cdiv``-ish tiles of
+    ``BLOCK_Q`` tokens (``query_start_loc[i] // BLOCK_Q + i`` is request i's first): its
+    request, the request's first token and query length, the tile's first token within the
+    request (the tile is empty where it is >= the query length: the bound counts one tile a
+    request more than some need) and the request's sequence length. The MLA kernel's tiles
+    are found the same way."""
+    req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    first = (tile_id - q_start // BLOCK_Q - req) * BLOCK_Q
+    seq_len = tl.load(seq_lens_ptr + req)
+    return req, q_start, q_len, first, seq_len
 
 
 @triton.jit

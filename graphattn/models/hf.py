@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,13 @@ from torch import nn
 
 from graphattn.config import parse_dtype
 from graphattn.errors import ConfigError, GraphAttnError
-from graphattn.models.llama import LlamaConfig, LlamaForCausalLM, RotaryEmbedding
+from graphattn.models.llama import (
+    ROPE_NEEDS,
+    ROPE_OPTIONAL,
+    LlamaConfig,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+)
 from graphattn.models.mla import MLAConfig, MLAForCausalLM
 
 # Hugging Face architecture name -> family: llama and qwen2 load into LlamaForCausalLM,
@@ -35,15 +42,6 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "DeepseekV2ForCausalLM": "deepseek_v2",
-}
-_ROPE_NEEDS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-}
-_ROPE_OPTIONAL = {
-    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 }
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
 # graphattn's merged projections and the Hugging Face projections stacked into them, in order.
@@ -461,23 +459,25 @@ def rope_settings(hf: dict[str, Any], architecture: str) -> tuple[float, dict[st
     params = _flat_rope_params(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", hf.get("rope_theta") or 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in _ROPE_NEEDS:
+    if kind not in ROPE_NEEDS:
         raise UnsupportedModelError(
             f"{architecture} with rope type {kind!r} is not supported (expected one of "
-            f"{list(_ROPE_NEEDS)}; rope settings {params})"
+            f"{list(ROPE_NEEDS)}; rope settings {params})"
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(
             f"{architecture} with partial_rotary_factor={params['partial_rotary_factor']} is "
             "not supported (expected 1.0)"
         )
-    needed = _ROPE_NEEDS[kind]
+    needed = ROPE_NEEDS[kind]
     absent = [key for key in needed if params.get(key) is None]
     if absent:
         raise ModelLoadError(f"{architecture} rope type {kind!r} needs {absent}; got {params}")
     if kind == "default":
         return theta, None
-    optional = [key for key in _ROPE_OPTIONAL.get(kind, ()) if params.get(key) is not None]
+    # YaRN's truncate (a bool) rides along with its numbers
+    takes = (*ROPE_OPTIONAL.get(kind, ()), *(("truncate",) if kind == "yarn" else ()))
+    optional = [key for key in takes if params.get(key) is not None]
     return theta, {"rope_type": kind, **{key: params[key] for key in (*needed, *optional)}}
 
 
@@ -541,12 +541,13 @@ def _per_expert_slots(
     transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``: the slots of
     those names, into the stacked weights. Each layer takes the layout its checkpoint has."""
     out = dict(slots)
+    per_expert = {m.group(1) for m in map(_EXPERT_TENSOR.match, shapes) if m}  # their parents
     for name, slot in slots.items():
         parent, _, leaf = name.rpartition(".")
         if not parent.endswith(".mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
             continue
-        if name in shapes or f"{parent}.0.{_EXPERT_PARTS[leaf][0]}.weight" not in shapes:
-            continue
+        if name in shapes or parent not in per_expert:
+            continue  # stacked, or neither layout (then the stacked names are missing)
         del out[name]
         num_experts, rows, cols = slot.shape
         per = rows // len(_EXPERT_PARTS[leaf])
@@ -557,6 +558,7 @@ def _per_expert_slots(
 
 
 _EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.\d+\.")  # one expert's tensor, by its parent
 
 
 def check_tensors(

@@ -110,10 +110,10 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
-        magnitude = 1.0
+        scaling = resolve_rope_scaling(scaling, max_positions)
         if scaling is not None:
             inv_freq = _scale_inv_freq(inv_freq, scaling, theta)
-            magnitude = rope_magnitude(scaling)
+        magnitude = rope_magnitude(scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         cache = magnitude * torch.cat([angles.cos(), angles.sin()], dim=-1)
         self.register_buffer("cos_sin_cache", cache.float(), persistent=False)  # [P, D]
@@ -134,36 +134,61 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], d: in
     return out.to(x.dtype).view(t, -1)
 
 
-_ROPE_NEEDS = {
+# rope_scaling kinds: the numbers each needs, and the ones it may take
+ROPE_NEEDS: dict[str, tuple[str, ...]] = {
+    "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),
+}
+ROPE_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "yarn": (
+        "original_max_position_embeddings",  # default: max_position_embeddings
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+    ),
 }
 
 
-def _rope_kind(scaling: dict[str, Any]) -> str:
+def resolve_rope_scaling(
+    scaling: dict[str, Any] | None, max_positions: int
+) -> dict[str, Any] | None:
+    """``scaling`` checked (a ``ConfigError`` names what is missing or not a number), its
+    kind under ``rope_type``, and YaRN's original context ``max_positions`` where none is
+    given, as transformers fills it. None or the default kind: None."""
+    if scaling is None:
+        return None
     kind = scaling.get("rope_type", scaling.get("type")) or "default"
-    if kind != "default" and kind not in _ROPE_NEEDS:
+    if kind not in ROPE_NEEDS:
+        raise ConfigError(f"rope scaling {kind!r} is not supported ({', '.join(ROPE_NEEDS)})")
+    missing = [k for k in ROPE_NEEDS[kind] if not _is_number(scaling.get(k))]
+    bad = [k for k in ROPE_OPTIONAL.get(kind, ()) if k in scaling and not _is_number(scaling[k])]
+    if missing or bad:
         raise ConfigError(
-            f"rope scaling {kind!r} is not supported (default, {', '.join(_ROPE_NEEDS)})"
+            f"rope_scaling of type {kind!r} needs the numbers {list(ROPE_NEEDS[kind])}; missing "
+            f"or not a number: {missing + bad} (got {scaling})"
         )
-    missing = [k for k in _ROPE_NEEDS.get(kind, ()) if not isinstance(scaling.get(k), (int, float))]
-    if missing:
-        raise ConfigError(
-            f"rope_scaling of type {kind!r} needs the numbers {list(_ROPE_NEEDS[kind])}; missing "
-            f"or not a number: {missing} (got {scaling})"
-        )
-    return kind
+    if kind == "default":
+        return None
+    out = {**scaling, "rope_type": kind}
+    if kind == "yarn":
+        out.setdefault("original_max_position_embeddings", max_positions)
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], theta: float) -> torch.Tensor:
-    """The frequencies under ``scaling``: ``linear`` slows them all by ``factor``; ``llama3``
-    slows long wavelengths by ``factor`` and keeps short ones, blending between; ``yarn``
-    blends by the number of rotations a dimension makes within the original context."""
-    kind = _rope_kind(scaling)
-    if kind == "default":
-        return inv_freq
-    factor = scaling["factor"]
+    """The frequencies under ``scaling`` (resolved): ``linear`` slows them all by
+    ``factor``; ``llama3`` slows long wavelengths by ``factor`` and keeps short ones,
+    blending between; ``yarn`` blends by the number of rotations a dimension makes within
+    the original context."""
+    kind, factor = scaling["rope_type"], scaling["factor"]
     if kind == "linear":
         return inv_freq / factor
     old_len = scaling["original_max_position_embeddings"]
@@ -205,10 +230,10 @@ def yarn_mscale(factor: float, scale: float = 1.0) -> float:
 
 
 def rope_magnitude(scaling: dict[str, Any] | None) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor (given, or from
-    ``mscale`` over ``mscale_all_dim`` where both are set, else from the factor alone);
-    1 for every other kind."""
-    if scaling is None or _rope_kind(scaling) != "yarn":
+    """What cos and sin are multiplied by under ``scaling`` (resolved): YaRN's attention
+    factor (given, or from ``mscale`` over ``mscale_all_dim`` where both are set, else from
+    the factor alone); 1 for every other kind."""
+    if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -276,7 +301,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits`` -> [T, V]."""
 
-    layer_cls: type[nn.Module] = LlamaDecoderLayer  # (cfg, prefix, index) -> one decoder layer
+    # (cfg, prefix, index) -> one decoder layer (its index since round 41: MLA's layers choose
+    # their MLP by it)
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()

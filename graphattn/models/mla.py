@@ -41,6 +41,7 @@ from graphattn.models.llama import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    resolve_rope_scaling,
     yarn_mscale,
 )
 
@@ -104,8 +105,8 @@ class MLAConfig:
         """1 / sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim) squared where
         the rope is YaRN with ``mscale_all_dim`` (DeepSeek-V2's long-context scaling)."""
         scale = self.qk_head_dim**-0.5
-        rope = self.rope_scaling or {}
-        if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("mscale_all_dim"):
+        rope = resolve_rope_scaling(self.rope_scaling, self.max_position_embeddings) or {}
+        if rope.get("rope_type") == "yarn" and rope.get("mscale_all_dim"):
             scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
         return scale
 
@@ -234,10 +235,22 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        self.use_grouped = self._grouped_serves()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        """After every move or cast (``.to``, ``.cuda``, ``to_empty``): which way the
+        weights' new device and dtype take (a plain attribute, so a traced model holds the
+        choice as a constant, and the trace cache's key sees it)."""
+        out = super()._apply(fn, recurse)
+        self.use_grouped = self._grouped_serves()
+        return out
+
+    def _grouped_serves(self) -> bool:
+        w = self.down_proj
+        return grouped_gemm_serves(w.device, w.dtype, w.shape[1], w.shape[2])
 
     def forward(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        inner = self.down_proj.shape[-1]
-        if grouped_gemm_serves(x.device.type, x.device.index, x.dtype, x.shape[-1], inner):
+        if self.use_grouped:
             return self.grouped(x, picked, weights)
         return self.dense(x, picked, weights)
 
@@ -271,19 +284,16 @@ class Experts(nn.Module):
         return out.to(x.dtype)
 
 
-@torch.compiler.assume_constant_result
-def grouped_gemm_serves(
-    device_type: str, index: int | None, dtype: torch.dtype, hidden: int, inner: int
-) -> bool:
-    """Whether ``Experts`` takes ``torch._grouped_mm`` for these inputs (a constant of the
-    traced model: the device and dtype are fixed when it is traced)."""
+def grouped_gemm_serves(device: torch.device, dtype: torch.dtype, hidden: int, inner: int) -> bool:
+    """Whether ``Experts`` with weights of this device and dtype takes ``torch._grouped_mm``
+    (``GRAPHATTN_DENSE_EXPERTS=1``: never)."""
     if not hasattr(torch, "_grouped_mm") or envs.dense_experts():
         return False
     if dtype != torch.bfloat16:  # torch's shape function (what tracing runs) takes bf16 only
         return False
-    if device_type == "cuda":  # the CUTLASS path: no host sync, so CUDA graphs capture it
-        return torch.cuda.get_device_capability(index)[0] in (9, 10)
-    if device_type == "cpu":  # torch >= 2.9's CPU kernel: rows of a multiple of 16 bytes
+    if device.type == "cuda":  # the CUTLASS path: no host sync, so CUDA graphs capture it
+        return torch.cuda.get_device_capability(device)[0] in (9, 10)
+    if device.type == "cpu":  # torch >= 2.9's CPU kernel: rows of a multiple of 16 bytes
         return all(n * 2 % 16 == 0 for n in (hidden, inner))
     return False
 

@@ -39,7 +39,6 @@ from graphattn.attention.backends.torch_ref import TorchRefMetadata, TorchRefMet
 from graphattn.attention.backends.triton_attn import CPU_NUM_SMS
 from graphattn.attention.registry import register_backend
 from graphattn.kernels import triton_import_error
-from graphattn.kernels.attention_plan import choose_num_splits
 from graphattn.kernels.reference import paged_attention_ref
 
 
@@ -204,24 +203,20 @@ class TritonMLAImpl(AttentionImpl):
 
     @staticmethod
     def num_splits(md: TritonMLAMetadata, heads: int) -> int:
-        """Split-KV splits for the padded batch: more than one only where its tokens fit the
-        scratch (at most max_num_seqs) and its programs would not fill the GPU."""
-        if md.num_input_tokens > md.max_reqs:
-            return 1
-        launch = _mla_kernels().mla_attention
-        per = launch.BLOCK_H if md.uniform_decode else launch.heads_per_tile(heads)
-        return min(launch.MAX_SPLITS, choose_num_splits(md.num_reqs, -(-heads // per), md.num_sms))
+        """The launch's split-KV splits (``mla_attention.split_count``)."""
+        return _mla_kernels().mla_attention.split_count(
+            md.num_input_tokens, md.num_reqs, heads, md.num_sms, md.max_reqs, md.uniform_decode
+        )
 
     @staticmethod
     def _scratch(md: TritonMLAMetadata, heads: int, rank: int, device: torch.device):
-        """The group's split scratch at its largest (max_num_seqs tokens x heads x
-        MAX_SPLITS rows of ``rank``), made once: by the first split launch, which runs
-        eagerly (a warm-up) before any graph that replays it is captured."""
+        """The group's split scratch at its largest (``mla_attention.split_rows`` rows of
+        ``rank``), made once: by the first split launch, which runs eagerly (a warm-up)
+        before any graph that replays it is captured."""
         scratch = md.scratch.get("split")
         if scratch is None:
-            split_kv = _mla_kernels().split_kv
-            rows = md.max_reqs * heads * _mla_kernels().mla_attention.MAX_SPLITS
-            scratch = md.scratch["split"] = split_kv.SplitScratch(
+            rows = _mla_kernels().mla_attention.split_rows(md.max_reqs, heads, md.num_sms)
+            scratch = md.scratch["split"] = _mla_kernels().split_kv.SplitScratch(
                 torch.empty(rows * rank, dtype=torch.float32, device=device),
                 torch.empty(rows, dtype=torch.float32, device=device),
                 md.max_reqs,
