@@ -540,11 +540,20 @@ def test_the_pdl_check_finds_early_reads():
         "    if PDL and not WRITE_KV:  # a mixed batch: the cache may come from the write "
         "kernel before\n        tl.extra.cuda.gdc_wait()\n"
     )
-    search = "    req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)\n"
+    search = (
+        "    req, q_start, q_len, first, seq_len = query_tile(\n"
+        "        query_start_loc_ptr, seq_lens_ptr, num_reqs, tile_id, BLOCK_Q\n"
+        "    )\n"
+    )
     assert source.count(mixed_wait) == 1 and source.count(search) == 1
     late = source.replace(mixed_wait, "").replace(search, search + mixed_wait)
     found = reads_before_the_wait(attention, {"PDL": True, "WRITE_KV": False}, set(), late)
-    assert found == ["_find_request: tl.load(query_start_loc_ptr + mid)"]
+    assert found == [  # the search and the tile's metadata, through both helpers
+        "query_tile: _find_request: tl.load(query_start_loc_ptr + mid)",
+        "query_tile: tl.load(query_start_loc_ptr + req)",
+        "query_tile: tl.load(query_start_loc_ptr + req + 1)",
+        "query_tile: tl.load(seq_lens_ptr + req)",
+    ]
 
 
 def compile_gemvs_for_hopper() -> list[dict]:
