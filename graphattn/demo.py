@@ -27,7 +27,7 @@ def run_demo(modes: list[str], new_tokens: int, use_cpu: bool, model_kind: str =
     device = "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shape = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512)
-    if model_kind == "mla":  # its TORCH_REF_MLA allows no full graphs: the report says so
+    if model_kind == "mla":  # TRITON_MLA on CUDA (every mode), TORCH_REF_MLA on the CPU
         cfg = MLAConfig.tiny(**shape, num_attention_heads=8)
         model = init_random_weights(MLAForCausalLM(cfg))
     else:

@@ -663,13 +663,17 @@ def test_bf16_batched_generation_follows_transformers_on_gpu(gpu_setup, family, 
         n = len(prompt)
         ref = _hf_logits(hf32, seq)
         # bf16 may flip a near tie; after that the continuations are unrelated. A flip is
-        # allowed only to fp32 transformers' runner-up, where its gap to the winner is within
-        # the error of a difference of two logits (2x the largest logit error) of
-        # transformers' own bf16 run.
+        # allowed only to a token whose fp32 logit is within the error of a difference of
+        # two logits (2x the largest logit error) of transformers' own bf16 run below the
+        # winner's: for the dense families the runner-up at a near tie; for DeepSeek's
+        # mixture of experts, whose bf16 routes flip at near ties in transformers too (its
+        # bf16 logits then move by about 2), possibly a token further down.
         tolerance = 2 * (_hf_logits(hf16, seq).float() - ref).abs().max().item()
         flips = [i for i, (a, b) in enumerate(zip(ours, seq[n:])) if a != b]
         if flips:
-            top2 = ref[n - 1 + flips[0]].topk(2)
-            gap = (top2.values[0] - top2.values[1]).item()
-            assert ours[flips[0]] == top2.indices[1].item(), f"prompt {prompt}: {ours} vs {seq[n:]}"
+            row = ref[n - 1 + flips[0]]
+            gap = (row.max() - row[ours[flips[0]]]).item()
             assert gap <= tolerance, f"prompt {prompt}: {ours} vs {seq[n:]}, gap {gap:.3g}"
+            if not family.startswith("deepseek"):
+                second = row.topk(2).indices[1].item()
+                assert ours[flips[0]] == second, f"prompt {prompt}: {ours} vs {seq[n:]}"

@@ -678,10 +678,11 @@ def test_graph_modes_lower_to_piecewise_and_match_eager(tmp_path):
     """TORCH_REF_MLA allows no full graphs: FULL_AND_PIECEWISE becomes PIECEWISE (reported),
     and the piecewise graphs' steps match an eager engine on decodes and mixed batches."""
     model = _model("cuda", torch.bfloat16)
-    ref = _engine(copy.deepcopy(model))
+    ref = _engine(copy.deepcopy(model), attention_backend="TORCH_REF_MLA")
     with pytest.warns(ga.FallbackWarning, match="TORCH_REF_MLA"):
         eng = _engine(
             copy.deepcopy(model),
+            attention_backend="TORCH_REF_MLA",  # TRITON_MLA is the default on CUDA
             cudagraph_mode="FULL_AND_PIECEWISE",
             compile_backend="inductor",
             cudagraph_capture_sizes=[1, 2, 4, 8, 16],
@@ -707,7 +708,7 @@ def test_triton_mla_replays_full_graphs_and_matches_eager(tmp_path, mode):
     batches of every size up to the largest graph (padded requests of length 0) replay full
     graphs, and mixed batches too under FULL (piecewise under FULL_AND_PIECEWISE)."""
     model = _model("cuda", torch.bfloat16, **SHAPES["q_proj"])
-    ref = _engine(copy.deepcopy(model), num_blocks=256)
+    ref = _engine(copy.deepcopy(model), num_blocks=256, attention_backend="TORCH_REF_MLA")
     eng = _engine(
         copy.deepcopy(model),
         num_blocks=256,
