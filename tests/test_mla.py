@@ -655,10 +655,19 @@ def test_the_other_layouts_of_the_inputs_are_accepted(monkeypatch):
     assert torch.equal(reshaped.step(batch), want)
 
 
-def test_off_cuda_the_report_says_a_full_mode_would_run_piecewise():
+def test_off_cuda_the_report_says_what_a_full_mode_would_get_on_a_gpu():
+    """On CUDA selection takes TRITON_MLA (the mode kept); TORCH_REF_MLA, named, would run
+    the model piecewise."""
     engine = _engine(_model(), cudagraph_mode="FULL_AND_PIECEWISE", compile_backend="eager")
-    assert engine.resolved_mode == M.NONE
-    assert "PIECEWISE" in engine.mode_on_cuda and "TORCH_REF_MLA" in engine.mode_on_cuda
+    assert engine.resolved_mode == M.NONE and engine.report.groups[0].backend == "TORCH_REF_MLA"
+    assert engine.mode_on_cuda == "FULL_AND_PIECEWISE, kept (backend TRITON_MLA)"
+    named = _engine(
+        _model(),
+        cudagraph_mode="FULL_AND_PIECEWISE",
+        compile_backend="eager",
+        attention_backend="TORCH_REF_MLA",
+    )
+    assert "-> PIECEWISE" in named.mode_on_cuda and "TORCH_REF_MLA" in named.mode_on_cuda
 
 
 def test_debug_sees_the_first_step_write_every_mla_layer():
