@@ -86,6 +86,7 @@ def heads_per_tile(num_heads: int) -> int:
     return min(BLOCK_H, triton.next_power_of_2(num_heads))
 
 
+@functools.lru_cache(maxsize=4096)
 def split_count(
     num_tokens: int,
     num_reqs: int,
@@ -98,7 +99,8 @@ def split_count(
     padded): more than one only where its programs would not fill the GPU twice and its
     partial rows fit the scratch (``split_rows``) of a launch of at most ``max_tokens``
     tokens. Decodes (``uniform_decode``) count a program per request and 16 heads, other
-    batches one per query tile and block of heads."""
+    batches one per query tile and block of heads. Cached: every layer of an eager or
+    piecewise step asks for the same launch."""
     if num_tokens > max_tokens:
         return 1
     if uniform_decode:
