@@ -538,6 +538,26 @@ def test_kv_cache_write_matches_reference(
     assert torch.equal(cache, expected)
 
 
+def test_kv_cache_write_of_keys_only():
+    """value and value_cache None (MLA's latent entries): each slot gets its key, written
+    once; padding tokens and every other slot keep what they held."""
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(3, 4, 1, 96, generator=gen)  # [NB, BS, 1, entry]
+    key = torch.randn(5, 1, 96, generator=gen)
+    slots = torch.tensor([7, -1, 0, 11, 2])
+    expected = cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expected[s // 4, s % 4] = key[t]
+    write_kv_cache(key, None, cache, None, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(ValueError, match="value and value_cache go together"):
+        write_kv_cache(key, key, cache, None, slots)
+    with pytest.raises(ValueError, match="value and value_cache go together"):
+        write_kv_cache(key, None, cache, cache, slots)
+    assert torch.equal(cache, expected)  # the refused calls wrote nothing
+
+
 def new_kv_inputs(case: PagedCase, seed: int):
     """``(key, value, slot_mapping)`` of ``case``'s decodes: random keys and values as strided
     views of one fused projection, as a model produces them, and each token's slot."""

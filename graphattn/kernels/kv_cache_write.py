@@ -28,18 +28,35 @@ _MAX_HEADS_PER_PROGRAM = 8
 
 def write_kv_cache(
     key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor | None,  # [T, Hkv, D]
     key_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-    value_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    value_cache: torch.Tensor | None,  # [NB, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [>= T] int64, -1 = skip
 ) -> None:
-    """Write ``key[t]`` and ``value[t]`` to slot ``slot_mapping[t]`` (cast to the cache dtype)."""
-    check_write_args(key, value, key_cache, value_cache, slot_mapping)
+    """Write ``key[t]`` and ``value[t]`` to slot ``slot_mapping[t]`` (cast to the cache dtype).
+
+    ``value`` and ``value_cache`` both None: a cache of one tensor a slot (MLA's latent
+    entries, whose values are a view of the keys), written once.
+    """
+    if (value is None) != (value_cache is None):
+        raise ValueError(
+            "value and value_cache go together: both tensors, or both None for a cache "
+            f"without values; got value={_kind(value)}, value_cache={_kind(value_cache)}"
+        )
+    check_write_args(
+        key,
+        key if value is None else value,
+        key_cache,
+        key_cache if value_cache is None else value_cache,
+        slot_mapping,
+    )
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
     heads_per_program = min(triton.next_power_of_2(num_kv_heads), _MAX_HEADS_PER_PROGRAM)
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
+    has_value = value is not None
+    value, value_cache = (value, value_cache) if has_value else (key, key_cache)  # unread
     _write_kv_kernel[grid](
         key,
         value,
@@ -58,7 +75,12 @@ def write_kv_cache(
         HEAD_SIZE=head_size,
         BLOCK_H=heads_per_program,
         BLOCK_D=triton.next_power_of_2(head_size),
+        HAS_VALUE=has_value,
     )
+
+
+def _kind(t: torch.Tensor | None) -> str:
+    return "None" if t is None else "a tensor"
 
 
 @triton.jit
@@ -80,6 +102,7 @@ def _write_kv_kernel(
     HEAD_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_VALUE: tl.constexpr,  # False: keys only (a cache of one tensor a slot)
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -90,11 +113,13 @@ def _write_kv_kernel(
     mask = (heads < num_kv_heads)[:, None] & (dims < HEAD_SIZE)[None, :]  # [BH, BD]
     row = token.to(tl.int64)
     k = tl.load(key_ptr + row * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(value_ptr + row * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
     dst_offs = dst + heads[:, None] * stride_ch + dims[None, :]  # [BH, BD]
     tl.store(key_cache_ptr + dst_offs, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + dst_offs, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    if HAS_VALUE:
+        v_offs = row * stride_vt + heads[:, None] * stride_vh + dims[None, :]
+        v = tl.load(value_ptr + v_offs, mask=mask)
+        tl.store(value_cache_ptr + dst_offs, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:

@@ -182,7 +182,7 @@ class TritonMLAImpl(AttentionImpl):
         kernels = _mla_kernels()
         entries = kv_cache.unsqueeze(2)  # [NB, BS, 1, entry]: one KV head
         # the values are a view of the entries: writing the entries writes them
-        kernels.kv_cache_write.write_kv_cache(key, key, entries, entries, md.slot_mapping)
+        kernels.kv_cache_write.write_kv_cache(key, None, entries, None, md.slot_mapping)
         rank, heads = value.shape[-1], query.shape[1]
         launch = kernels.mla_attention
         splits = self.num_splits(md, heads)
