@@ -22,7 +22,7 @@ from graphattn.errors import BackendError
 from graphattn.kernels.precompile import PrecompileReport, compile_ahead
 from graphattn.kv_cache import KVCacheGroup, to_kernel_block_table
 from graphattn.report import EngineStats
-from graphattn.validation import BatchLimits, check_batch
+from graphattn.validation import BatchLimits, check_step
 
 
 @dataclass
@@ -149,10 +149,10 @@ class ModelRunner:
         """Run ``batch``; returns ``[num_tokens, ...]`` rows in the caller's token order
         (``clone=False``: possibly in memory the next step overwrites, see ``restore_order``).
         """
-        longest = check_batch(batch, self.limits)
+        checked = check_step(batch, self.limits)
         if self._copies_done is not None:
             self._copies_done.synchronize()
-        plan = self.prepare_inputs(batch, longest)
+        plan = self.prepare_inputs(batch, checked.longest, decode_blocks=checked.decode_blocks)
         hidden = self.run(plan)
         self.stats.steps += 1
         self.stats.tokens += plan.num_tokens
@@ -182,15 +182,23 @@ class ModelRunner:
         ):
             return self.forward(shared["input_ids"], shared["positions"])
 
-    def prepare_inputs(self, batch: Batch, max_seq_len: int | None = None) -> StepPlan:
+    def prepare_inputs(
+        self,
+        batch: Batch,
+        max_seq_len: int | None = None,
+        *,
+        decode_blocks: np.ndarray | None = None,
+    ) -> StepPlan:
         """Reorder decodes first, fill the host buffers, pad, and copy to the device.
 
-        ``max_seq_len``: the longest sequence after the step, as ``check_batch`` returns it.
+        ``max_seq_len`` and ``decode_blocks``: the longest sequence after the step and, for
+        one-token requests, the block each writes, as ``check_step`` returns them (None:
+        computed here).
         """
         if max_seq_len is None:
             max_seq_len = int(batch.seq_lens.max())
         if batch.num_tokens == batch.num_reqs:  # every request decodes one token
-            plan = self._fill_decode(batch, max_seq_len)
+            plan = self._fill_decode(batch, max_seq_len, decode_blocks)
         else:
             plan = self._fill_mixed(batch, max_seq_len)
         self._pad(plan)
@@ -198,9 +206,12 @@ class ModelRunner:
             self._copy_to_device(plan)
         return plan
 
-    def _fill_decode(self, batch: Batch, max_seq_len: int) -> StepPlan:
+    def _fill_decode(
+        self, batch: Batch, max_seq_len: int, blocks: np.ndarray | None = None
+    ) -> StepPlan:
         """``prepare_inputs`` for a batch of one-token requests: already in order, each
-        token's position is its request's computed length.
+        token's position is its request's computed length; ``blocks``: the block each
+        request writes, where the checks gathered it.
         """
         r, b = batch.num_reqs, self.buffers
         computed = batch.num_computed_tokens
@@ -210,12 +221,11 @@ class ModelRunner:
         b.positions.np[:r] = computed
         b.input_ids.np[:r] = batch.token_ids
         block_size = self.limits.block_size
-        block_index, offset = np.divmod(computed, block_size)
+        if blocks is None:
+            blocks = batch.block_table[self._arange[:r], computed // block_size]
         slots = b.slot_mapping.np[:r]
-        np.multiply(
-            batch.block_table[self._arange[:r], block_index], block_size, out=slots, dtype=np.int64
-        )
-        np.add(slots, offset, out=slots)
+        np.multiply(blocks, block_size, out=slots, dtype=np.int64)
+        np.add(slots, computed % block_size, out=slots)
         self._fill_block_tables(batch.block_table, r, -(-max_seq_len // block_size))
         b.is_prefilling_np[:r] = False
         return StepPlan(r, r, 1, max_seq_len, self.uniform_query_len == 1, False)

@@ -27,6 +27,17 @@ class BatchLimits:
     allocator: Any = None
 
 
+@dataclass(frozen=True)
+class CheckedBatch:
+    """What ``check_step`` found on the way that the step's input fill needs again."""
+
+    longest: int  # the longest sequence the step leaves (computed + new tokens)
+    # A batch of one-token requests checked on the decode path: the block each request
+    # writes its token to (int32, the caller's order), gathered once for the write check
+    # and the slots. None otherwise.
+    decode_blocks: np.ndarray | None = None
+
+
 def check_batch(batch: Batch, limits: BatchLimits) -> int:
     """Raise ``InvalidBatchError`` naming the first bad request and value; if all is well,
     return the longest sequence the step leaves (computed + new tokens), which the runner
@@ -34,6 +45,11 @@ def check_batch(batch: Batch, limits: BatchLimits) -> int:
 
     Vectorized over requests: its cost must stay small next to a decode step.
     """
+    return check_step(batch, limits).longest
+
+
+def check_step(batch: Batch, limits: BatchLimits) -> CheckedBatch:
+    """``check_batch``, also returning what the runner's input fill would compute again."""
     if not isinstance(batch, Batch):
         raise InvalidBatchError(
             f"expected a graphattn Batch (Batch.from_requests or Batch.from_arrays), got "
@@ -51,14 +67,14 @@ def check_batch(batch: Batch, limits: BatchLimits) -> int:
             f"the batch has {t} tokens; max_num_tokens is {limits.max_num_tokens}"
         )
     if t == r and _is_decode_layout(batch) and _all_equal(batch.query_lens, 1):
-        longest = _check_decode(batch, limits)  # every request decodes one token
+        checked = _check_decode(batch, limits)  # every request decodes one token
     else:
         _check_shapes(batch)
-        longest = _check_general(batch, limits)
+        checked = CheckedBatch(_check_general(batch, limits))
     if limits.allocator is not None and limits.allocator.handed_out:
-        width = -(-longest // limits.block_size)
+        width = -(-checked.longest // limits.block_size)
         _check_allocated(batch, limits.allocator.in_use, width, limits.block_size)
-    return longest
+    return checked
 
 
 def _check_allocated(batch: Batch, allocated: np.ndarray, width: int, block_size: int) -> None:
@@ -182,12 +198,11 @@ def _check_shared_blocks(batch, block_size, blocks, req, entry, shared) -> None:
                         )
 
 
-def _check_decode_writes(batch: Batch, block_size: int) -> None:
+def _check_decode_writes(batch: Batch, block_size: int) -> np.ndarray:
     """``_check_writes`` for one-token requests: the blocks they write, sorted, have no
-    neighbours alike (a request writes one slot, so only other requests can collide)."""
+    neighbours alike (a request writes one slot, so only other requests can collide).
+    Returns those blocks in the requests' order (the input fill's slots need them)."""
     r = batch.num_reqs
-    if r < 2:
-        return
     table = batch.block_table
     if block_size & (block_size - 1) == 0:  # a power of two (the config's rule): a shift
         entry = batch.num_computed_tokens >> (block_size.bit_length() - 1)
@@ -198,9 +213,11 @@ def _check_decode_writes(batch: Batch, block_size: int) -> None:
         written = table.ravel().take(entry)
     else:
         written = table[np.arange(r), entry]
-    written.sort()
-    if (written[1:] == written[:-1]).any():
-        _check_writes(batch, block_size)  # the rules, naming the requests where they fail
+    if r > 1:
+        ordered = np.sort(written)
+        if (ordered[1:] == ordered[:-1]).any():
+            _check_writes(batch, block_size)  # the rules, naming the requests where they fail
+    return written
 
 
 def _row_starts(r: int, width: int) -> np.ndarray:
@@ -233,7 +250,7 @@ def _is_decode_layout(batch: Batch) -> bool:
     )
 
 
-def _check_decode(batch: Batch, limits: BatchLimits) -> int:
+def _check_decode(batch: Batch, limits: BatchLimits) -> CheckedBatch:
     """``_check_shapes`` and ``_check_general`` for a batch of one-token requests (every
     query length 1), in fewer numpy calls: a range check ``0 <= x < n`` is one maximum of
     ``x`` read as unsigned (negatives become huge), and where every request declares the
@@ -253,12 +270,11 @@ def _check_decode(batch: Batch, limits: BatchLimits) -> int:
         enough = not (computed // block_size >= declared).any() and declared.max() <= width
     if last >= limits.max_model_len or not enough:
         _check_shapes(batch)
-        return _check_general(batch, limits)
+        return CheckedBatch(_check_general(batch, limits))
     _check_block_ids(batch, last // block_size + 1, limits.num_blocks, block_size)
     if _umax(batch.token_ids) >= _token_bound(limits):  # negatives read as huge
         _explain_token_error(batch, limits.vocab_size)
-    _check_decode_writes(batch, block_size)
-    return last + 1
+    return CheckedBatch(last + 1, _check_decode_writes(batch, block_size))
 
 
 def _all_equal(values: np.ndarray, value: int) -> bool:

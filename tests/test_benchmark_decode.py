@@ -572,3 +572,24 @@ def test_head_in_graph_probe_times_both_and_compares_their_logits(tmp_path):
     }
     assert all(v["max_abs_diff"] < 0.05 for v in data["agree"].values())
     assert data["kernels"] == {}  # the profile is CUDA's
+
+
+def test_phase_timers_time_each_phase_of_a_real_step_once():
+    """The host part's phases are the functions a step calls: on a real engine's runner,
+    one step gives one time each to the checks (the phase named check_batch) and the input
+    fill, and the runner module's functions are put back afterwards."""
+    from helpers import TableAttentionModel, eager_engine
+
+    import graphattn as ga
+    import graphattn.runner
+
+    eng = eager_engine(TableAttentionModel(64, 4, 2, 64, seed=2), cudagraph_mode="NONE")
+    blocks = eng.kv_cache.allocate(2)
+    batch = ga.Batch.from_requests([ga.Request([3], 0, blocks[:1]), ga.Request([4], 5, blocks[1:])])
+    original = graphattn.runner.__dict__[decode._CHECK_FUNCTION]
+    with decode.phase_timers(eng.runner) as times:
+        eng.step(batch)
+    assert len(times["check_batch"]) == 1 and len(times["prepare_inputs"]) == 1
+    assert len(times["forward"]) == 1
+    assert graphattn.runner.__dict__[decode._CHECK_FUNCTION] is original
+    assert "prepare_inputs" not in eng.runner.__dict__

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import graphattn as ga
 from graphattn.models import LlamaConfig, LlamaForCausalLM, init_random_weights
+from graphattn.validation import check_step
 
 
 def _llama(device="cpu", dtype=torch.float32, **overrides):
@@ -407,10 +408,17 @@ def test_decode_fill_writes_each_requests_slot(layout):
             tokens, np.ones(r, dtype), computed.astype(dtype), table, np.full(r, width, dtype)
         )
     assert batch.block_table.flags.c_contiguous == (layout != "strided table")
-    eng.runner.prepare_inputs(batch)
     expected = table[np.arange(r), computed // bs].astype(np.int64) * bs + computed % bs
-    np.testing.assert_array_equal(eng.runner.buffers.slot_mapping.np[:r], expected)
-    np.testing.assert_array_equal(eng.runner.buffers.positions.np[:r], computed)
+    buffers = eng.runner.buffers
+    # as a step runs it (the blocks the checks gathered, where they took the decode path),
+    # and from the batch alone
+    checked = check_step(batch, eng.runner.limits)
+    assert (checked.decode_blocks is not None) == (layout in ("from_arrays", "strided table"))
+    for blocks in (checked.decode_blocks, None):
+        buffers.slot_mapping.np[:r] = -7
+        eng.runner.prepare_inputs(batch, checked.longest, decode_blocks=blocks)
+        np.testing.assert_array_equal(buffers.slot_mapping.np[:r], expected)
+        np.testing.assert_array_equal(buffers.positions.np[:r], computed)
 
 
 def test_stats_to_dict_keeps_each_counter_as_counted():

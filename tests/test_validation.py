@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import graphattn as ga
 from graphattn.validation import (
     BatchLimits,
+    CheckedBatch,
     _all_equal,
     _check_decode,
     _check_general,
@@ -30,6 +31,13 @@ def _outcome(check, batch: ga.Batch) -> str:
         longest = check(batch, LIMITS)
     except ga.InvalidBatchError as e:
         return str(e)
+    if isinstance(longest, CheckedBatch):  # the decode path also hands the written blocks on
+        blocks = longest.decode_blocks
+        if blocks is not None:  # in the requests' order, as the input fill reads them
+            computed = batch.num_computed_tokens
+            expected = batch.block_table[np.arange(batch.num_reqs), computed // LIMITS.block_size]
+            np.testing.assert_array_equal(blocks, expected)
+        longest = longest.longest
     assert longest == int(batch.seq_lens.max())  # what the runner sizes the step by
     return "ok"
 
