@@ -923,8 +923,7 @@ def phase_timers(runner) -> Iterator[dict[str, list[float]]]:
     times: dict[str, list[float]] = {}
     saved, module = {}, sys.modules[type(runner).__module__]
     for name in HOST_PHASES:
-        owner = module if name == "check_batch" else runner
-        attr = _CHECK_FUNCTION if name == "check_batch" else name
+        owner, attr = (module, _CHECK_FUNCTION) if name == "check_batch" else (runner, name)
         fn = getattr(owner, attr, None)
         if not callable(fn):
             continue

@@ -43,20 +43,15 @@ def write_kv_cache(
             "value and value_cache go together: both tensors, or both None for a cache "
             f"without values; got value={_kind(value)}, value_cache={_kind(value_cache)}"
         )
-    check_write_args(
-        key,
-        key if value is None else value,
-        key_cache,
-        key_cache if value_cache is None else value_cache,
-        slot_mapping,
-    )
+    has_value = value is not None
+    if not has_value:  # the keys stand in: checked like a value, never read by the kernel
+        value, value_cache = key, key_cache
+    check_write_args(key, value, key_cache, value_cache, slot_mapping)
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
     heads_per_program = min(triton.next_power_of_2(num_kv_heads), _MAX_HEADS_PER_PROGRAM)
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
-    has_value = value is not None
-    value, value_cache = (value, value_cache) if has_value else (key, key_cache)  # unread
     _write_kv_kernel[grid](
         key,
         value,
