@@ -96,7 +96,9 @@ class CompileConfig:
             warning for decode batches without a full graph are not lowerings).
         debug: extra checks (input addresses at replay, recompiles raise, a warm start
             traces anyway and compares with the trace cache's graph, the first step
-            wrote each backend's KV cache, every step's blocks are allocated).
+            wrote each backend's KV cache, every step's blocks are allocated, no block is
+            used at two places of a step or moved since its last use other than as a prefix
+            requests share).
     """
 
     max_num_seqs: int = 128

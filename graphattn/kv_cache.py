@@ -156,6 +156,11 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops the lowest ids first
         self._in_use = np.zeros(num_blocks, dtype=bool)
         self.handed_out = False  # whether any block was ever allocated (debug's block check)
+        # debug=True's record of where each allocated block sits: a digest of the block ids
+        # up to and including it in the table of the request that last used it (0: not used
+        # since its allocate). validation.py writes it after a step's checks pass; allocate
+        # and free clear it, so a block handed out again starts with no owner.
+        self.chains = np.zeros(num_blocks, dtype=np.uint64)
 
     @property
     def num_free(self) -> int:
@@ -179,6 +184,7 @@ class BlockAllocator:
             )
         ids = [self._free.pop() for _ in range(n)]
         self._in_use[ids] = True
+        self.chains[ids] = 0
         self.handed_out = self.handed_out or n > 0
         return ids
 
@@ -213,6 +219,7 @@ class BlockAllocator:
             )
         ids = [int(b) for b in ids]  # ids handed out later are plain ints, whatever came in
         self._in_use[ids] = False
+        self.chains[ids] = 0
         self._free.extend(reversed(ids))
 
 

@@ -21,9 +21,9 @@ class BatchLimits:
     block_size: int
     num_blocks: int
     vocab_size: int | None = None
-    # debug=True: the engine's BlockAllocator; once it has handed out a block, every block
-    # a step uses must be allocated. Off by default, and before any allocate: a caller may
-    # run its own allocator over the cache.
+    # debug=True: the engine's BlockAllocator, and the checks of every block a step uses
+    # (``_check_tables``). Off by default. Those against the allocator start at its first
+    # allocate: a caller may run its own allocator over the cache.
     allocator: Any = None
 
 
@@ -71,20 +71,105 @@ def check_step(batch: Batch, limits: BatchLimits) -> CheckedBatch:
     else:
         _check_shapes(batch)
         checked = CheckedBatch(_check_general(batch, limits))
-    if limits.allocator is not None and limits.allocator.handed_out:
-        width = -(-checked.longest // limits.block_size)
-        _check_allocated(batch, limits.allocator.in_use, width, limits.block_size)
+    if limits.allocator is not None:  # debug=True
+        _check_tables(batch, limits.allocator, checked.longest, limits.block_size)
     return checked
 
 
-def _check_allocated(batch: Batch, allocated: np.ndarray, width: int, block_size: int) -> None:
-    """``debug=True``, once the engine's allocator has handed out a block: every block id a
-    request uses is one it handed out and has not taken back (a table kept after ``free``,
-    an id never allocated). Not seen: a freed block allocated again to another request,
-    which the allocator cannot tell from its new owner's."""
+def _check_tables(batch: Batch, allocator: Any, longest: int, block_size: int) -> None:
+    """``debug=True``'s checks of the blocks a step uses (every entry below a request's
+    ``num_computed_tokens + query length``), the last of ``check_step``:
+
+    - once the engine's allocator has handed out a block, each is allocated (a table kept
+      after ``free``, an id never allocated);
+    - a block used at two places of the step sits behind the same blocks at both: a request
+      naming one block at two entries, or two requests using one block other than as a
+      prefix they share, is an error whether they write it or only read it (the checks
+      without debug look only at blocks the step writes twice);
+    - once the allocator has handed out a block, each sits behind the same blocks as at its
+      last use since its ``allocate``: a table kept after ``free`` whose block was handed out
+      again, or a block moved to another entry or behind other blocks.
+
+    "Behind the same blocks" compares a digest of the block ids up to and including the
+    block (``_chain_digests``). When every check passes, the digests are recorded in the
+    allocator (``BlockAllocator.chains``); a rejected batch records nothing.
+    """
+    width = -(-longest // block_size)
     table = batch.block_table[:, :width]
     seq_lens = batch.num_computed_tokens.astype(np.int64) + batch.query_lens
     used = np.arange(width)[None, :] < -(-seq_lens // block_size)[:, None]
+    tracked = allocator.handed_out  # a loop that never calls allocate runs its own allocator
+    if tracked:
+        _check_allocated(table, used, allocator.in_use)
+    blocks = table[used].astype(np.int64)  # the used places, row by row
+    digests = _chain_digests(table)[used]
+    # one digest a block: scatter them by block (the last place wins) and read them back; a
+    # place that reads another digest shares its block with a place behind other blocks
+    kept = np.empty(allocator.num_blocks, dtype=np.uint64)
+    kept[blocks] = digests
+    clash = kept[blocks] != digests
+    if clash.any():
+        first = int(np.argmax(clash))
+        alike = np.flatnonzero(blocks == blocks[first])
+        second = int(alike[np.argmax(digests[alike] != digests[first])])
+        rows, entries = np.nonzero(used)
+        places = [(int(rows[k]), int(entries[k])) for k in (first, second)]
+        _explain_clash(table, int(blocks[first]), *places)
+    if not tracked:
+        return
+    before = allocator.chains[blocks]
+    moved = (before != 0) & (before != digests)
+    if moved.any():
+        k = int(np.argmax(moved))
+        rows, entries = np.nonzero(used)
+        i, j = int(rows[k]), int(entries[k])
+        raise InvalidBatchError(
+            f"request {i}: block {blocks[k]} (entry {j}, behind blocks {table[i, :j].tolist()}) "
+            "sat behind other blocks when a step last used it since its allocate: a table kept "
+            "after free whose block was handed out again, or a block moved to another entry or "
+            "behind other blocks (debug=True expects a block to keep its place from allocate "
+            "to free)"
+        )
+    allocator.chains[blocks] = digests
+
+
+def _explain_clash(table: np.ndarray, block: int, a: tuple[int, int], b: tuple[int, int]) -> None:
+    """Two (request, entry) places of one step that use ``block`` behind different blocks."""
+    (i, j), (k, m) = sorted((int(r), int(e)) for r, e in (a, b))
+    if i == k:
+        raise InvalidBatchError(
+            f"request {i} uses block {block} at entries {j} and {m} of its block table; a "
+            "request's blocks must be distinct"
+        )
+    raise InvalidBatchError(
+        f"requests {i} and {k} both use block {block} in this step, but not as a prefix they "
+        f"share (entries {j} and {m}; blocks before it {table[i, :j].tolist()} and "
+        f"{table[k, :m].tolist()}): one reads keys and values the other wrote for another "
+        "sequence (debug=True checks reads as well as writes)"
+    )
+
+
+def _chain_digests(table: np.ndarray) -> np.ndarray:
+    """``[R, W]`` uint64: at each entry, a digest of the block ids up to and including it
+    (a sum of the ids + 1 times a random odd multiplier per entry, wrapping at 2**64; never
+    0). Two entries get the same digest when they sit at the same index behind the same
+    blocks; otherwise alike with probability about 2**-63."""
+    width = table.shape[1]
+    global _CHAIN_MULTIPLIERS
+    if len(_CHAIN_MULTIPLIERS) < width:
+        rng = np.random.default_rng(0x67A)
+        _CHAIN_MULTIPLIERS = rng.integers(0, 2**64, max(width, 64), dtype=np.uint64) | np.uint64(1)
+    ids = table.astype(np.int64).astype(np.uint64) + np.uint64(1)
+    digests = np.cumsum(ids * _CHAIN_MULTIPLIERS[:width], axis=1, dtype=np.uint64)
+    return digests | np.uint64(1)
+
+
+_CHAIN_MULTIPLIERS = np.zeros(0, dtype=np.uint64)
+
+
+def _check_allocated(table: np.ndarray, used: np.ndarray, allocated: np.ndarray) -> None:
+    """Every block id a request uses (``used``, over ``table``'s columns) is one the engine's
+    allocator handed out and has not taken back."""
     bad = used & ~allocated[np.where(used, table, 0)]
     if bad.any():
         i, j = (int(x) for x in np.argwhere(bad)[0])
@@ -128,9 +213,9 @@ def _check_writes(batch: Batch, block_size: int) -> None:
       token, as vLLM's scheduler makes); anything else overwrites keys and values.
 
     Vectorized over (request, entry) pairs; the rules run one group at a time only where a
-    block is written by more than one pair. Not checked, as it would scan every table on
-    every step: a written block that another request only reads, or that is an earlier
-    entry of the same request's table.
+    block is written by more than one pair. Not checked here, as it would scan every table
+    on every step: a written block that another request only reads, or that is an earlier
+    entry of the same request's table (``debug=True`` checks them: ``_check_tables``).
     """
     q = batch.query_lens.astype(np.int64)
     computed = batch.num_computed_tokens.astype(np.int64)

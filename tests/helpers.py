@@ -154,18 +154,20 @@ def run_with_prefixes(engine, seqs: list[Seq]) -> torch.Tensor:
 
 
 def snapshot(engine):
-    """Copies of every cache tensor and the allocator's free list."""
+    """Copies of every cache tensor, the allocator's free list and debug's block record."""
     return (
         {n: t.clone() for n, t in engine.kv_cache.tensors.items()},
         list(engine.kv_cache.allocator._free),
+        engine.kv_cache.allocator.chains.copy(),
     )
 
 
 def assert_unchanged(engine, snap) -> None:
-    tensors, free = snap
+    tensors, free, chains = snap
     for name, t in engine.kv_cache.tensors.items():
         assert torch.equal(t, tensors[name]), f"KV cache of {name} changed"
     assert engine.kv_cache.allocator._free == free, "allocator changed"
+    assert (engine.kv_cache.allocator.chains == chains).all(), "debug's block record changed"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

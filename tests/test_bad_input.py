@@ -885,6 +885,32 @@ def test_debug_checks_every_used_block_is_allocated():
     )
 
 
+def test_debug_finds_a_stale_table_whose_blocks_went_to_another_request():
+    """The use after free that the allocated-block check cannot see: the freed blocks were
+    handed out again, so every id is allocated, but to another request."""
+    model = TableAttentionModel(40, 4, 2, 64)
+    engine = eager_engine(model, num_blocks=8, max_model_len=96, debug=True)
+    a = engine.kv_cache.allocate(2)
+    engine.step(ga.Batch.from_requests([ga.Request(list(range(20)), 0, a)]))
+    engine.kv_cache.free(a)
+    b = engine.kv_cache.allocate(3)  # A's two blocks and one more, for another sequence
+    engine.step(ga.Batch.from_requests([ga.Request(list(range(5, 25)), 0, b[::-1])]))
+    snap = snapshot(engine)
+    with pytest.raises(
+        ga.InvalidBatchError,
+        match=r"request 0: block 1 \(entry 1, behind blocks \[0\]\) sat behind",
+    ):
+        engine.step(ga.Batch.from_requests([ga.Request([7], 20, a)]))  # A, kept after free
+    with pytest.raises(
+        ga.InvalidBatchError, match="requests 0 and 1 both use block 2 in this step, but not as"
+    ):  # B's first block, written by a request that has it behind another block
+        engine.step(
+            ga.Batch.from_requests([ga.Request([7], 20, b[::-1]), ga.Request([8], 17, [0, 2])])
+        )
+    assert_unchanged(engine, snap)
+    engine.step(ga.Batch.from_requests([ga.Request([7], 20, b[::-1])]))  # B goes on
+
+
 def test_last_token_rows_are_the_rows_to_sample():
     batch = ga.Batch.from_requests(
         [ga.Request([1, 2, 3], 0, [0]), ga.Request([4], 5, [1]), ga.Request([5, 6], 0, [2])]

@@ -138,9 +138,10 @@ def test_sliding_window_layers_form_their_own_kv_cache_group():
 def test_generate_continuous_batching_matches_one_prompt_at_a_time():
     model = _llama()
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 20, [9, 8, 7, 6, 5]]
-    # two slots and a small token budget: prompts join late and prefills are chunked
+    # two slots and a small token budget: prompts join late and prefills are chunked; debug's
+    # checks of every block each step uses (blocks of finished requests handed out again)
     engine = eager_engine(
-        model, max_num_seqs=2, max_num_tokens=24, num_blocks=64, max_model_len=128
+        model, max_num_seqs=2, max_num_tokens=24, num_blocks=64, max_model_len=128, debug=True
     )
     together = engine.generate(prompts, 6)
     assert engine.kv_cache.num_free_blocks == 64, "blocks of finished requests are freed"

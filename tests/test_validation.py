@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphattn as ga
+from graphattn.kv_cache import BlockAllocator
 from graphattn.validation import (
     BatchLimits,
     CheckedBatch,
@@ -19,6 +20,7 @@ from graphattn.validation import (
     _check_general,
     _check_shapes,
     check_batch,
+    check_step,
 )
 
 LIMITS = BatchLimits(
@@ -366,3 +368,128 @@ def test_one_sequence_twice_in_a_decode_batch_is_refused():
     chunk = ga.Batch.from_arrays(np.array([3, 4]), np.array([2], np.int32),
                                  np.array([5], np.int32), np.array([[0, 1]], np.int32))  # fmt: skip
     assert check_batch(chunk, LIMITS) == 7
+
+
+# -- debug=True: the blocks a step uses, against each other and across steps -----------------
+
+
+def _debug_limits(allocator=None, **changes):
+    """LIMITS with debug's allocator: a fresh one that never handed a block out unless given."""
+    allocator = BlockAllocator(LIMITS.num_blocks) if allocator is None else allocator
+    return dataclasses.replace(LIMITS, allocator=allocator, **changes)
+
+
+@pytest.mark.parametrize(
+    "computed, table, message",
+    [
+        # request 1 reads block 3 (its entry 0) that request 0 writes as its entry 1
+        ([20, 17], [[0, 3], [3, 5]], r"requests 0 and 1 both use block 3 in this step, but not as "
+         r"a prefix they share \(entries 1 and 0; blocks before it \[0\] and \[\]\)"),
+        # the same block at one entry behind different blocks: two sequences' keys
+        ([40, 33], [[0, 5, 1], [2, 5, 3]], r"requests 0 and 1 both use block 5 .* \(entries 1 "
+         r"and 1; blocks before it \[0\] and \[2\]\)"),
+        # one request reading one block at two entries, or writing an entry it also reads
+        ([40], [[2, 2, 4]], "request 0 uses block 2 at entries 0 and 1 of its block table; a "
+         "request's blocks must be distinct"),
+        ([20], [[4, 4]], "request 0 uses block 4 at entries 0 and 1"),
+    ],
+)  # fmt: skip
+def test_debug_refuses_a_block_used_other_than_as_a_shared_prefix(computed, table, message):
+    """Reads the checks without debug do not scan (they look at blocks written twice)."""
+    batch = _decode(np.array(computed, np.int32), np.array(table, np.int32))
+    assert check_batch(batch, LIMITS) == max(computed) + 1
+    limits = _debug_limits()
+    with pytest.raises(ga.InvalidBatchError, match=message):
+        check_batch(batch, limits)
+
+
+def test_debug_accepts_blocks_shared_as_a_prefix_read_or_written():
+    limits = _debug_limits(max_num_tokens=64)
+    readers = _decode(np.array([16, 17, 20], np.int32), np.array([[0, 1], [0, 2], [0, 3]]))
+    assert check_batch(readers, limits) == 21
+    alike = ga.Batch.from_arrays(  # identical prompts prefilled together across two blocks
+        np.array(list(range(20)) * 2), np.array([20, 20], np.int32), np.zeros(2, np.int32),
+        np.array([[1, 2], [1, 2]], np.int32),
+    )  # fmt: skip
+    assert check_batch(alike, limits) == 20
+    junk = _decode(np.array([3, 20], np.int32), np.array([[5, 5], [2, 3]]))  # unused entry 1
+    assert check_batch(junk, limits) == 21
+
+
+def test_debug_finds_a_block_handed_to_another_request_while_a_stale_table_uses_it():
+    """Free and allocate again: the allocated-block check alone cannot see the stale table."""
+    alloc = BlockAllocator(LIMITS.num_blocks)
+    limits = _debug_limits(alloc)
+    first = alloc.allocate(2)  # [0, 1]
+    check_step(_decode(np.array([20], np.int32), np.array([first])), limits)
+    alloc.free(first)
+    other = alloc.allocate(3)  # [0, 1, 2]: request B now holds block 1 as its entry 1 ...
+    b = np.array([[other[1], other[0], other[2]]], np.int32)  # ... at entry 0, behind nothing
+    check_step(_decode(np.array([20], np.int32), b), limits)
+    chains = alloc.chains.copy()
+    stale = _decode(np.array([21], np.int32), np.array([first]))  # A's table, kept after free
+    with pytest.raises(
+        ga.InvalidBatchError,
+        match=r"request 0: block 0 \(entry 0, behind blocks \[\]\) sat behind other blocks when "
+        r"a step last used it since its allocate: a table kept after free",
+    ):
+        check_step(stale, limits)
+    np.testing.assert_array_equal(alloc.chains, chains)  # a rejected batch records nothing
+    # B's own steps go on; a block freed and allocated again starts with no owner
+    check_step(_decode(np.array([21], np.int32), b), limits)
+    alloc.free(other)
+    again = alloc.allocate(2)
+    assert not alloc.chains[again].any()
+    check_step(_decode(np.array([20], np.int32), np.array([again])), limits)
+
+
+def test_debug_without_the_engines_allocator_checks_within_the_step_only():
+    """A loop running its own allocator (the engine's never handed a block out) may reuse a
+    block at another place from one step to the next, but not twice within one step."""
+    alloc = BlockAllocator(LIMITS.num_blocks)
+    limits = _debug_limits(alloc)
+    check_step(_decode(np.array([20], np.int32), np.array([[0, 1]])), limits)
+    check_step(_decode(np.array([20], np.int32), np.array([[1, 0]])), limits)
+    assert not alloc.chains.any()
+    with pytest.raises(ga.InvalidBatchError, match="request 0 uses block 1 at entries 0 and 1"):
+        check_step(_decode(np.array([20], np.int32), np.array([[1, 1]])), limits)
+
+
+def _tables_ok_naively(batch, block_size) -> bool:
+    """Every two places of the step that use one block have the same blocks up to it."""
+    seen = {}  # block -> the block ids up to and including it
+    seq_lens = (batch.num_computed_tokens + batch.query_lens).tolist()
+    for r, n in enumerate(seq_lens):
+        for e in range(-(-n // block_size)):
+            chain = batch.block_table[r, : e + 1].tolist()
+            if seen.setdefault(chain[-1], chain) != chain:
+                return False
+    return True
+
+
+@st.composite
+def reading_batches(draw):
+    """One-token requests reading up to four blocks each out of six: tables often name one
+    block at several places."""
+    r = draw(st.integers(1, 4))
+    c = draw(st.lists(st.integers(0, 15), min_size=r, max_size=r))
+    table = draw(st.lists(st.integers(0, 5), min_size=r * 4, max_size=r * 4))
+    return _decode(np.array(c, np.int32), np.array(table, np.int32).reshape(r, 4))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(sharing_batches(), reading_batches()))
+def test_debugs_table_check_agrees_with_a_naive_oracle(batch):
+    limits = dataclasses.replace(LIMITS, block_size=4, max_num_tokens=64, num_blocks=6)
+    try:
+        check_batch(batch, limits)
+    except ga.InvalidBatchError:
+        return  # the write rules refuse it before debug's checks run
+    debug = dataclasses.replace(limits, allocator=BlockAllocator(6))
+    try:
+        check_batch(batch, debug)
+        accepted = True
+    except ga.InvalidBatchError as e:
+        assert "use block" in str(e) or "uses block" in str(e)
+        accepted = False
+    assert accepted == _tables_ok_naively(batch, 4)
