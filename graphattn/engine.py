@@ -285,9 +285,8 @@ class CompiledModel:
                 backend.get_name(), shape, (*args, group.spec.head_size), group.spec
             )
 
-        kv_cache = KVCache(kv_groups, self.config.num_blocks, shape_of, self.device)
-        for name, b in self.bound.items():
-            b.kv_cache = kv_cache.tensors[name]
+        # the builders first: what they allocate (split scratch) is then taken from the
+        # memory the KV cache's size is checked against
         groups = build_attention_groups(kv_groups, self.bound)
         for group in groups:
             builder_cls = group.backend.get_builder_cls()
@@ -309,6 +308,9 @@ class CompiledModel:
                     f"({', '.join(level.name for level in AttentionCGSupport)})"
                 )
             group.cudagraph_support = support
+        kv_cache = KVCache(kv_groups, self.config.num_blocks, shape_of, self.device)
+        for name, b in self.bound.items():
+            b.kv_cache = kv_cache.tensors[name]
         return kv_cache, groups
 
     def _negotiate_mode(self) -> tuple[CUDAGraphMode, list[FallbackRecord]]:

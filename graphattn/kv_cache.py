@@ -59,6 +59,9 @@ class MLAAttentionSpec(FullAttentionSpec):
     then the rotary key part; ``head_size`` is their sum and ``num_kv_heads`` is 1."""
 
     kv_lora_rank: int = 0
+    # the layer's query heads, which all read the one entry: not what the cache holds, but
+    # TRITON_MLA's builder sizes its split scratch by them at start-up
+    num_heads: int = 0
 
     @property
     def elements_per_slot(self) -> int:
@@ -67,7 +70,7 @@ class MLAAttentionSpec(FullAttentionSpec):
     def describe(self) -> str:
         return (
             f"mla(latent={self.kv_lora_rank}, rope={self.head_size - self.kv_lora_rank}, "
-            f"{_dtype_name(self.dtype)})"
+            f"heads={self.num_heads}, {_dtype_name(self.dtype)})"
         )
 
 

@@ -21,7 +21,7 @@ def test_demo_runs_the_mla_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GRAPHATTN_CACHE_DIR", str(tmp_path))
     assert main(["demo", "--cpu", "--new-tokens", "2", "--model", "mla"]) == 0
     out = capsys.readouterr().out
-    assert "TORCH_REF_MLA" in out and "mla(latent=64, rope=16, float32)" in out
+    assert "TORCH_REF_MLA" in out and "mla(latent=64, rope=16, heads=8, float32)" in out
     assert "8 prompts x 2 new tokens on cpu" in out
 
 

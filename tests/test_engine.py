@@ -432,3 +432,27 @@ def test_stats_to_dict_keeps_each_counter_as_counted():
     stats = engine.stats.to_dict()
     assert stats["steps"] == 3 and stats["runtime_modes"] == {"NONE": 3}
     assert engine.report.to_dict()["resolved_mode"] == str(engine.resolved_mode)
+
+
+def test_builders_are_made_before_the_kv_cache(monkeypatch):
+    """What a builder allocates at start-up (split scratch) is gone from the memory the KV
+    cache's size is checked against: the builders come first."""
+    from graphattn import engine as engine_module
+    from graphattn.attention.backends.torch_ref import TorchRefMetadataBuilder
+
+    order = []
+    builder_init, cache_cls = TorchRefMetadataBuilder.__init__, engine_module.KVCache
+
+    def made_builder(self, *args, **kw):
+        order.append("builder")
+        builder_init(self, *args, **kw)
+
+    def made_cache(*args, **kw):
+        order.append("kv_cache")
+        return cache_cls(*args, **kw)
+
+    monkeypatch.setattr(TorchRefMetadataBuilder, "__init__", made_builder)
+    monkeypatch.setattr(engine_module, "KVCache", made_cache)
+    engine = eager_engine(_llama(), num_blocks=16)
+    assert order == ["builder", "kv_cache"]
+    assert all(b.kv_cache is engine.kv_cache.tensors[n] for n, b in engine.bound.items())

@@ -445,19 +445,43 @@ def test_the_decode_kernel_refuses_what_it_cannot_read():
         )
 
 
-def test_triton_mla_through_the_engine_matches_dense_mla():
+def _count_split_launches(monkeypatch) -> list[int]:
+    """The split counts of every TRITON_MLA launch from now on (the wrapped launchers)."""
+    from graphattn.kernels import mla_attention
+
+    splits: list[int] = []
+    for name in ("mla_decode", "mla_attention"):
+        launch = getattr(mla_attention, name)
+
+        def counted(*args, _launch=launch, **kw):
+            splits.append(kw["num_splits"])
+            return _launch(*args, **kw)
+
+        monkeypatch.setattr(mla_attention, name, counted)
+    return splits
+
+
+def test_triton_mla_through_the_engine_matches_dense_mla(monkeypatch):
     """Mixed batches (the causal kernel), then one-token decodes (the decode kernel, with
     splits on the interpreter's four "SMs"), on one engine."""
+    from graphattn.kernels import mla_attention
+
     model = _model(**SHAPES["q_proj"])
     engine = _engine(model, attention_backend="TRITON_MLA")
     assert engine.report.groups[0].cudagraph_support == "ALWAYS"
+    scratch = engine.attn_groups[0].builder.scratch  # made at start-up, at its largest
+    heads, rank = model.config.num_attention_heads, model.config.kv_lora_rank
+    rows = mla_attention.split_rows(engine.config.max_num_seqs, heads, 4)
+    assert scratch.lse.numel() == rows and scratch.out.numel() == rows * rank
     rng = np.random.default_rng(9)
     for shape in ([(0, 9), (21, 1), (40, 13)], [(70, 1), (3, 1), (33, 1), (16, 1)]):
         seqs = make_seqs(rng, shape, 512, 16, 64)
         prefill_prefixes(engine, seqs)
+        splits = _count_split_launches(monkeypatch)
         out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
         assert rel_err(out, _expected(model, seqs)) < 1e-5
-    assert "split" in engine.attn_groups[0].builder.scratch  # the decodes ran split
+    assert max(splits) > 1  # the decodes ran split
+    assert engine.attn_groups[0].builder.scratch is scratch
 
 
 @pytest.mark.parametrize(
@@ -484,12 +508,22 @@ def test_triton_mla_batches_padded_as_a_graph_replays_them(monkeypatch, shape, k
     monkeypatch.setattr(TritonMLAMetadataBuilder, "full_replay_needs_build", True)
     seqs = make_seqs(np.random.default_rng(10), shape, 512, 16, 64)
     prefill_prefixes(engine, seqs)
-    engine.attn_groups[0].builder.scratch.clear()  # the prefixes' steps may have split
+    splits = _count_split_launches(monkeypatch)
     engine.runner.planner = lambda t, r, u: Dispatch(M.FULL, BatchDescriptor(*key))
     out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
     assert rel_err(out, _expected(model, seqs)) < 1e-5
     assert engine.stats.runtime_modes["FULL"] == 1
-    assert ("split" in engine.attn_groups[0].builder.scratch) == (key == (8, 2, False))
+    assert (max(splits) > 1) == (key == (8, 2, False))
+
+
+def test_triton_mla_needs_the_query_heads_in_its_spec():
+    """Its builder sizes the split scratch by them; a spec made without them is refused."""
+    from graphattn.attention.backends.mla import TritonMLAMetadataBuilder
+    from graphattn.config import CompileConfig
+
+    spec = MLAAttentionSpec(16, 1, 80, torch.float32, 64)  # num_heads left at 0
+    with pytest.raises(ga.BackendError, match="expected an MLAAttentionSpec with num_heads >= 1"):
+        TritonMLAMetadataBuilder(spec, ["l0"], CompileConfig(), torch.device("cpu"))
 
 
 def test_triton_mla_allows_full_graphs_for_every_batch():
@@ -513,9 +547,10 @@ def test_the_cache_keeps_one_entry_per_token():
     (group,) = engine.attn_groups
     spec = group.kv_cache_group.spec
     entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    assert spec == MLAAttentionSpec(16, 1, entry, torch.float32, cfg.kv_lora_rank)
+    heads = cfg.num_attention_heads
+    assert spec == MLAAttentionSpec(16, 1, entry, torch.float32, cfg.kv_lora_rank, heads)
     assert spec.page_size_bytes == 16 * entry * 4  # no second (value) tensor
-    assert spec.describe() == "mla(latent=64, rope=16, float32)"
+    assert spec.describe() == f"mla(latent=64, rope=16, heads={heads}, float32)"
     for t in engine.kv_cache.tensors.values():
         assert t.shape == (64, 16, entry)
     assert engine.report.groups[0].backend == "TORCH_REF_MLA"
@@ -574,7 +609,7 @@ def test_a_model_with_both_kinds_gets_a_cache_group_for_each():
     engine = _engine(init_random_weights(Both(), seed=4))
     kinds = {g.backend.get_name(): g.kv_cache_group.spec.describe() for g in engine.attn_groups}
     assert kinds == {
-        "TORCH_REF_MLA": "mla(latent=64, rope=16, float32)",
+        "TORCH_REF_MLA": "mla(latent=64, rope=16, heads=4, float32)",
         "TORCH_REF": "full(kv_heads=2, head=32, float32)",
     }
     out = engine.step(

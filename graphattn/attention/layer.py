@@ -241,7 +241,9 @@ class MLAAttention(Attention):
         return dataclasses.replace(cfg, use_mla=True)
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
-        return MLAAttentionSpec(block_size, 1, self.head_size, dtype, self.kv_lora_rank)
+        return MLAAttentionSpec(
+            block_size, 1, self.head_size, dtype, self.kv_lora_rank, self.num_heads
+        )
 
     def forward(  # type: ignore[override]
         self,

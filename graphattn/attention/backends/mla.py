@@ -38,6 +38,7 @@ from graphattn.attention.backend import (
 from graphattn.attention.backends.torch_ref import TorchRefMetadata, TorchRefMetadataBuilder
 from graphattn.attention.backends.triton_attn import CPU_NUM_SMS
 from graphattn.attention.registry import register_backend
+from graphattn.errors import BackendError
 from graphattn.kernels import triton_import_error
 from graphattn.kernels.reference import paged_attention_ref
 
@@ -126,15 +127,14 @@ class TritonMLAMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_input_tokens] int64, -1 for padding
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
-    scratch: dict[str, Any]  # the group's split scratch, made at the first split launch
+    scratch: Any  # split_kv.SplitScratch: the group's, made by its builder at start-up
 
 
 class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata]):
     # every launch is a function of the padded token and request counts: any batch
     cudagraph_support = AttentionCGSupport.ALWAYS
     reorder_batch_threshold = 1  # decodes first like the other backends; the kernels need no order
-    # build only describes the launches (the scratch is made by the first launch, eagerly,
-    # before any capture): a FULL replay needs none of it
+    # build only describes the launches: a FULL replay needs none of it
     full_replay_needs_build = False
 
     def __init__(self, kv_cache_spec, layer_names, config, device) -> None:
@@ -144,7 +144,22 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata]):
             if device.type == "cuda"
             else CPU_NUM_SMS
         )
-        self.scratch: dict[str, Any] = {}
+        heads = getattr(kv_cache_spec, "num_heads", 0)
+        if heads < 1:
+            raise BackendError(
+                "TRITON_MLA sizes its split scratch by the layers' query heads: expected an "
+                f"MLAAttentionSpec with num_heads >= 1 (ga.MLAAttention's), got {kv_cache_spec!r}"
+            )
+        # the split scratch at its largest (``mla_attention.split_rows`` rows of the latent
+        # rank), made before the KV cache, whose size is checked against the memory left
+        kernels = _mla_kernels()
+        rows = kernels.mla_attention.split_rows(config.max_num_seqs, heads, self.num_sms)
+        rank = kv_cache_spec.kv_lora_rank
+        self.scratch = kernels.split_kv.SplitScratch(
+            torch.empty(rows * rank, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device),
+            config.max_num_seqs,
+        )
 
     def build(self, common_prefix_len: int, cam: CommonAttentionMetadata) -> TritonMLAMetadata:
         return TritonMLAMetadata(
@@ -186,9 +201,8 @@ class TritonMLAImpl(AttentionImpl):
         rank, heads = value.shape[-1], query.shape[1]
         launch = kernels.mla_attention
         splits = self.num_splits(md, heads)
-        scratch = self._scratch(md, heads, rank, query.device) if splits > 1 else None
         r, t = md.num_reqs, md.num_input_tokens
-        kw = dict(kv_lora_rank=rank, scale=self.scale, num_splits=splits, scratch=scratch)
+        kw = dict(kv_lora_rank=rank, scale=self.scale, num_splits=splits, scratch=md.scratch)
         if md.uniform_decode:  # one token a request: a program per request
             launch.mla_decode(
                 query[:r], kv_cache, md.block_table, md.seq_lens, output[:r],
@@ -207,21 +221,6 @@ class TritonMLAImpl(AttentionImpl):
         return _mla_kernels().mla_attention.split_count(
             md.num_input_tokens, md.num_reqs, heads, md.num_sms, md.max_reqs, md.uniform_decode
         )
-
-    @staticmethod
-    def _scratch(md: TritonMLAMetadata, heads: int, rank: int, device: torch.device):
-        """The group's split scratch at its largest (``mla_attention.split_rows`` rows of
-        ``rank``), made once: by the first split launch, which runs eagerly (a warm-up)
-        before any graph that replays it is captured."""
-        scratch = md.scratch.get("split")
-        if scratch is None:
-            rows = _mla_kernels().mla_attention.split_rows(md.max_reqs, heads, md.num_sms)
-            scratch = md.scratch["split"] = _mla_kernels().split_kv.SplitScratch(
-                torch.empty(rows * rank, dtype=torch.float32, device=device),
-                torch.empty(rows, dtype=torch.float32, device=device),
-                md.max_reqs,
-            )
-        return scratch
 
 
 class TritonMLABackend(TorchRefMLABackend):
