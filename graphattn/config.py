@@ -96,9 +96,9 @@ class CompileConfig:
             warning for decode batches without a full graph are not lowerings).
         debug: extra checks (input addresses at replay, recompiles raise, a warm start
             traces anyway and compares with the trace cache's graph, the first step
-            wrote each backend's KV cache, every step's blocks are allocated, no block is
-            used at two places of a step or moved since its last use other than as a prefix
-            requests share).
+            wrote each backend's KV cache, no block is used at two entries of a step's
+            block tables and, while the engine's allocator lends blocks, every block a step
+            uses is allocated and at the entry of its last use).
     """
 
     max_num_seqs: int = 128

@@ -158,16 +158,22 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops the lowest ids first
         self._in_use = np.zeros(num_blocks, dtype=bool)
-        self.handed_out = False  # whether any block was ever allocated (debug's block check)
-        # debug=True's record of where each allocated block sits: a digest of the block ids
-        # up to and including it in the table of the request that last used it (0: not used
-        # since its allocate). validation.py writes it after a step's checks pass; allocate
-        # and free clear it, so a block handed out again starts with no owner.
-        self.chains = np.zeros(num_blocks, dtype=np.uint64)
+        # debug=True's record of where each allocated block sits: the block-table entry (the
+        # block's place in its sequence) at which a step last used it, -1 where no step has
+        # since its allocate. validation.py writes it after a step's checks pass; allocate
+        # and free clear it, so a block handed out again starts with no place.
+        self.entries = np.full(num_blocks, -1, dtype=np.int32)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def lending(self) -> bool:
+        """Whether any block is allocated: while so, ``debug=True`` checks each step's blocks
+        against the allocator (a loop that runs its own allocator never calls ``allocate``,
+        or has freed every block it took)."""
+        return len(self._free) < self.num_blocks
 
     @property
     def in_use(self) -> np.ndarray:
@@ -187,8 +193,7 @@ class BlockAllocator:
             )
         ids = [self._free.pop() for _ in range(n)]
         self._in_use[ids] = True
-        self.chains[ids] = 0
-        self.handed_out = self.handed_out or n > 0
+        self.entries[ids] = -1
         return ids
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -222,7 +227,7 @@ class BlockAllocator:
             )
         ids = [int(b) for b in ids]  # ids handed out later are plain ints, whatever came in
         self._in_use[ids] = False
-        self.chains[ids] = 0
+        self.entries[ids] = -1
         self._free.extend(reversed(ids))
 
 

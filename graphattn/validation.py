@@ -22,8 +22,8 @@ class BatchLimits:
     num_blocks: int
     vocab_size: int | None = None
     # debug=True: the engine's BlockAllocator, and the checks of every block a step uses
-    # (``_check_tables``). Off by default. Those against the allocator start at its first
-    # allocate: a caller may run its own allocator over the cache.
+    # (``_check_tables``). Off by default. Those against the allocator apply while it lends
+    # blocks: a caller may run its own allocator over the cache.
     allocator: Any = None
 
 
@@ -78,93 +78,74 @@ def check_step(batch: Batch, limits: BatchLimits) -> CheckedBatch:
 
 def _check_tables(batch: Batch, allocator: Any, longest: int, block_size: int) -> None:
     """``debug=True``'s checks of the blocks a step uses (every entry below a request's
-    ``num_computed_tokens + query length``), the last of ``check_step``:
+    ``num_computed_tokens + query length``), the last of ``check_step``. A block holds the
+    keys and values of one range of positions, its entry in a block table, so:
 
-    - once the engine's allocator has handed out a block, each is allocated (a table kept
-      after ``free``, an id never allocated);
-    - a block used at two places of the step sits behind the same blocks at both: a request
-      naming one block at two entries, or two requests using one block other than as a
-      prefix they share, is an error whether they write it or only read it (the checks
-      without debug look only at blocks the step writes twice);
-    - once the allocator has handed out a block, each sits behind the same blocks as at its
-      last use since its ``allocate``: a table kept after ``free`` whose block was handed out
-      again, or a block moved to another entry or behind other blocks.
+    - within the step, a block is used at one entry: a request naming one block at two
+      entries, or two requests using one block at different entries, is an error whether
+      they write it or only read it (the checks without debug look only at blocks the step
+      writes twice);
+    - while the engine's allocator lends blocks (``allocate`` has handed out blocks not all
+      freed again), each block used is allocated (not a table kept after ``free``, not an id
+      never allocated) and at the entry where a step last used it since its ``allocate``:
+      a table kept after ``free`` whose blocks went to another request at other entries.
 
-    "Behind the same blocks" compares a digest of the block ids up to and including the
-    block (``_chain_digests``). When every check passes, the digests are recorded in the
-    allocator (``BlockAllocator.chains``); a rejected batch records nothing.
+    Which blocks stand before a block is not checked: a prefix cache that finds its blocks
+    by content (vLLM's) may give two requests equal prefixes in different blocks. When every
+    check passes, the entries are recorded in the allocator (``BlockAllocator.entries``); a
+    rejected batch records nothing.
     """
     width = -(-longest // block_size)
     table = batch.block_table[:, :width]
     seq_lens = batch.num_computed_tokens.astype(np.int64) + batch.query_lens
     used = np.arange(width)[None, :] < -(-seq_lens // block_size)[:, None]
-    tracked = allocator.handed_out  # a loop that never calls allocate runs its own allocator
-    if tracked:
+    lending = allocator.lending
+    if lending:
         _check_allocated(table, used, allocator.in_use)
-    blocks = table[used].astype(np.int64)  # the used places, row by row
-    digests = _chain_digests(table)[used]
-    # one digest a block: scatter them by block (the last place wins) and read them back; a
-    # place that reads another digest shares its block with a place behind other blocks
-    kept = np.empty(allocator.num_blocks, dtype=np.uint64)
-    kept[blocks] = digests
-    clash = kept[blocks] != digests
+    rows, entries = np.nonzero(used)  # the used places, row by row
+    blocks = table[rows, entries].astype(np.int64)
+    entries = entries.astype(np.int32)
+    # one entry a block: scatter the entries by block (the last place wins) and read them
+    # back; a place that reads another entry shares its block with a place at another entry
+    kept = np.empty(allocator.num_blocks, dtype=np.int32)
+    kept[blocks] = entries
+    clash = kept[blocks] != entries
     if clash.any():
         first = int(np.argmax(clash))
         alike = np.flatnonzero(blocks == blocks[first])
-        second = int(alike[np.argmax(digests[alike] != digests[first])])
-        rows, entries = np.nonzero(used)
-        places = [(int(rows[k]), int(entries[k])) for k in (first, second)]
-        _explain_clash(table, int(blocks[first]), *places)
-    if not tracked:
+        second = int(alike[np.argmax(entries[alike] != entries[first])])
+        places = sorted((int(rows[k]), int(entries[k])) for k in (first, second))
+        _explain_clash(int(blocks[first]), *places)
+    if not lending:
         return
-    before = allocator.chains[blocks]
-    moved = (before != 0) & (before != digests)
+    before = allocator.entries[blocks]
+    moved = (before >= 0) & (before != entries)
     if moved.any():
         k = int(np.argmax(moved))
-        rows, entries = np.nonzero(used)
-        i, j = int(rows[k]), int(entries[k])
         raise InvalidBatchError(
-            f"request {i}: block {blocks[k]} (entry {j}, behind blocks {table[i, :j].tolist()}) "
-            "sat behind other blocks when a step last used it since its allocate: a table kept "
-            "after free whose block was handed out again, or a block moved to another entry or "
-            "behind other blocks (debug=True expects a block to keep its place from allocate "
-            "to free)"
+            f"request {rows[k]} uses block {blocks[k]} as entry {entries[k]} of its block "
+            f"table, but the last step that used it since its allocate had it at entry "
+            f"{before[k]}: one of the two tables is stale (kept after free, its blocks since "
+            "handed to another request), or the loop recycles blocks without free (debug=True "
+            "expects a block to keep its entry from allocate to free; a loop that runs its own "
+            "allocator takes no block from engine.kv_cache.allocate)"
         )
-    allocator.chains[blocks] = digests
+    allocator.entries[blocks] = entries
 
 
-def _explain_clash(table: np.ndarray, block: int, a: tuple[int, int], b: tuple[int, int]) -> None:
-    """Two (request, entry) places of one step that use ``block`` behind different blocks."""
-    (i, j), (k, m) = sorted((int(r), int(e)) for r, e in (a, b))
+def _explain_clash(block: int, a: tuple[int, int], b: tuple[int, int]) -> None:
+    """Two (request, entry) places of one step that use ``block`` at different entries."""
+    (i, j), (k, m) = a, b
     if i == k:
         raise InvalidBatchError(
             f"request {i} uses block {block} at entries {j} and {m} of its block table; a "
             "request's blocks must be distinct"
         )
     raise InvalidBatchError(
-        f"requests {i} and {k} both use block {block} in this step, but not as a prefix they "
-        f"share (entries {j} and {m}; blocks before it {table[i, :j].tolist()} and "
-        f"{table[k, :m].tolist()}): one reads keys and values the other wrote for another "
-        "sequence (debug=True checks reads as well as writes)"
+        f"requests {i} and {k} both use block {block} in this step, at entries {j} and {m} of "
+        "their block tables: a block holds one range of positions, so one of them reads keys "
+        "and values written for other positions (debug=True checks reads as well as writes)"
     )
-
-
-def _chain_digests(table: np.ndarray) -> np.ndarray:
-    """``[R, W]`` uint64: at each entry, a digest of the block ids up to and including it
-    (a sum of the ids + 1 times a random odd multiplier per entry, wrapping at 2**64; never
-    0). Two entries get the same digest when they sit at the same index behind the same
-    blocks; otherwise alike with probability about 2**-63."""
-    width = table.shape[1]
-    global _CHAIN_MULTIPLIERS
-    if len(_CHAIN_MULTIPLIERS) < width:
-        rng = np.random.default_rng(0x67A)
-        _CHAIN_MULTIPLIERS = rng.integers(0, 2**64, max(width, 64), dtype=np.uint64) | np.uint64(1)
-    ids = table.astype(np.int64).astype(np.uint64) + np.uint64(1)
-    digests = np.cumsum(ids * _CHAIN_MULTIPLIERS[:width], axis=1, dtype=np.uint64)
-    return digests | np.uint64(1)
-
-
-_CHAIN_MULTIPLIERS = np.zeros(0, dtype=np.uint64)
 
 
 def _check_allocated(table: np.ndarray, used: np.ndarray, allocated: np.ndarray) -> None:

@@ -158,16 +158,16 @@ def snapshot(engine):
     return (
         {n: t.clone() for n, t in engine.kv_cache.tensors.items()},
         list(engine.kv_cache.allocator._free),
-        engine.kv_cache.allocator.chains.copy(),
+        engine.kv_cache.allocator.entries.copy(),
     )
 
 
 def assert_unchanged(engine, snap) -> None:
-    tensors, free, chains = snap
+    tensors, free, entries = snap
     for name, t in engine.kv_cache.tensors.items():
         assert torch.equal(t, tensors[name]), f"KV cache of {name} changed"
     assert engine.kv_cache.allocator._free == free, "allocator changed"
-    assert (engine.kv_cache.allocator.chains == chains).all(), "debug's block record changed"
+    assert (engine.kv_cache.allocator.entries == entries).all(), "debug's block record changed"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

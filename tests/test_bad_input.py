@@ -887,28 +887,69 @@ def test_debug_checks_every_used_block_is_allocated():
 
 def test_debug_finds_a_stale_table_whose_blocks_went_to_another_request():
     """The use after free that the allocated-block check cannot see: the freed blocks were
-    handed out again, so every id is allocated, but to another request."""
+    handed out again, so every id is allocated, but to another request at other entries."""
     model = TableAttentionModel(40, 4, 2, 64)
     engine = eager_engine(model, num_blocks=8, max_model_len=96, debug=True)
     a = engine.kv_cache.allocate(2)
     engine.step(ga.Batch.from_requests([ga.Request(list(range(20)), 0, a)]))
     engine.kv_cache.free(a)
     b = engine.kv_cache.allocate(3)  # A's two blocks and one more, for another sequence
-    engine.step(ga.Batch.from_requests([ga.Request(list(range(5, 25)), 0, b[::-1])]))
+    table = [b[1], b[2], b[0]]
+    engine.step(ga.Batch.from_requests([ga.Request(list(range(5, 25)), 0, table)]))
     snap = snapshot(engine)
     with pytest.raises(
         ga.InvalidBatchError,
-        match=r"request 0: block 1 \(entry 1, behind blocks \[0\]\) sat behind",
+        match=r"request 0 uses block 1 as entry 1 of its block table, but the last step that "
+        r"used it since its allocate had it at entry 0: one of the two tables is stale",
     ):
         engine.step(ga.Batch.from_requests([ga.Request([7], 20, a)]))  # A, kept after free
     with pytest.raises(
-        ga.InvalidBatchError, match="requests 0 and 1 both use block 2 in this step, but not as"
-    ):  # B's first block, written by a request that has it behind another block
+        ga.InvalidBatchError, match="requests 0 and 1 both use block 1 in this step, at entries"
+    ):  # B's first block, written as its second by another request
         engine.step(
-            ga.Batch.from_requests([ga.Request([7], 20, b[::-1]), ga.Request([8], 17, [0, 2])])
+            ga.Batch.from_requests([ga.Request([7], 20, table), ga.Request([8], 17, [0, 1])])
         )
     assert_unchanged(engine, snap)
-    engine.step(ga.Batch.from_requests([ga.Request([7], 20, b[::-1])]))  # B goes on
+    engine.step(ga.Batch.from_requests([ga.Request([7], 20, table)]))  # B goes on
+
+
+def test_debug_accepts_what_a_correct_serving_loop_does_with_its_blocks():
+    """Patterns a serving-loop audit of round 43 found refused by a first version of the
+    checks, which compared the blocks before each block: all of them keep every block at
+    one entry."""
+    model = TableAttentionModel(40, 4, 2, 64)
+    plain = eager_engine(model, num_blocks=16, max_model_len=96)
+    engine = eager_engine(model, num_blocks=16, max_model_len=96, debug=True)
+    prompt = list(range(3, 35))
+
+    def step(*requests):
+        batch = ga.Batch.from_requests([ga.Request(*r) for r in requests])
+        return engine.step(batch), plain.step(batch)
+
+    # a prefix cache that finds blocks by content: identical prompts ran together, one in
+    # chunks, so two blocks hold the prompt's second 16 tokens; a hit takes one from each
+    a, c = engine.kv_cache.allocate(3), engine.kv_cache.allocate(3)
+    step((prompt[:16], 0, a), (prompt, 0, c))
+    step((prompt[16:], 16, a), ([11], 32, c))
+    d = engine.kv_cache.allocate(1)
+    got, want = step(([prompt[-1]], 31, [a[0], c[1], *d]))  # recomputes the last token
+    torch.testing.assert_close(got, want)
+    # copy-on-write: a request going back into a block it shares moves to a copy of it; its
+    # later block keeps its entry behind the new id
+    x, y = engine.kv_cache.allocate(2), engine.kv_cache.allocate(1)
+    step((prompt, 0, x))
+    step((list(range(10, 18)), 32, x + y))
+    z = engine.kv_cache.allocate(1)[0]
+    for e in (engine, plain):
+        for t in e.kv_cache.tensors.values():  # [2, blocks, ...]: keys and values
+            t[:, z] = t[:, x[1]]
+    step(([5, 6], 20, [x[0], z]))
+    got, want = step((list(range(20, 40)), 22, [x[0], z, *y]))
+    torch.testing.assert_close(got, want)
+    # every block given back, then a loop that runs its own allocator over the cache
+    engine.kv_cache.free(a + c + d + x + y + [z])
+    engine.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [7])]))
+    engine.step(ga.Batch.from_requests([ga.Request(list(range(20)), 0, [9, 7])]))
 
 
 def test_last_token_rows_are_the_rows_to_sample():
