@@ -951,8 +951,8 @@ def compile_for_hopper() -> list[dict]:
             if block_n is None:
                 continue
             constants = dict(
-                NUM_SPLITS=16, GROUP=group, G_PAD=group, HEAD_SIZE=head_size, D_PAD=head_size,
-                BLOCK_N=block_n, PDL=True,
+                NUM_SPLITS=16, TILE_N=128, ONE_TOKEN=True, GROUP=group, G_PAD=group,
+                HEAD_SIZE=head_size, D_PAD=head_size, BLOCK_N=block_n, PDL=True,
             )  # fmt: skip
             src = ASTSource(folded, _signature(folded, torch.bfloat16), constants, _aligned(folded))
             options = {"num_warps": split_kv.O_PROJ_WARPS}

@@ -16,7 +16,7 @@ from graphattn.kernels.split_kv import SplitScratch
 from graphattn.kernels.unified_attention import unified_attention
 
 
-def _folded(case, plan, weight, *, scale, out=None, scratch=None):
+def _folded(case, plan, weight, *, scale, out=None, scratch=None, window=None):
     """The launch with o_proj folded: ``out`` poisoned with NaN first (the launch zeroes it)."""
     if out is None:
         out = torch.empty(case.query.shape[0], weight.shape[0], dtype=torch.float32)
@@ -30,10 +30,78 @@ def _folded(case, plan, weight, *, scale, out=None, scratch=None):
     result = unified_attention(
         case.query, case.key_cache, case.value_cache, torch.empty_like(case.query),
         case.block_table, case.query_start_loc, case.seq_lens, plan, scale=scale,
-        scratch=scratch, fused_merge=False, o_proj=(weight, out),
+        sliding_window=window, scratch=scratch, fused_merge=False, o_proj=(weight, out),
     )  # fmt: skip
     assert result is out
     return out
+
+
+def _filled_splits(seq_len: int, num_splits: int, tile_n: int, window: int | None) -> int:
+    """How many of a decode token's splits hold keys, as the attention launch cuts them:
+    whole tiles of the span a split, the last split shorter (written apart from the kernel)."""
+    span = seq_len - (max(seq_len - window, 0) if window else 0)
+    if span <= 0:
+        return 0
+    per_split = -(-span // num_splits)
+    seg = -(-per_split // tile_n) * tile_n
+    return -(-span // seg)
+
+
+def _poison_splits(monkeypatch, splits_of):
+    """Between the attention launch and the folded reduction, NaN into the scratch rows of
+    token 0's splits ``splits_of(plan, seq_len)``: a reduction that reads one turns NaN."""
+    reduce = split_kv.reduce_splits_o_proj
+
+    def poisoned(scratch, out, weight, query_start_loc, plan, seq_lens, window=0):
+        heads, s = plan.num_kv_heads * plan.group, plan.num_splits
+        for split in splits_of(plan, int(seq_lens[0])):
+            rows = torch.arange(heads) * s + split  # token 0's rows of that split
+            scratch.lse[rows] = float("nan")
+            cells = rows[:, None] * plan.head_size + torch.arange(plan.head_size)
+            scratch.out[cells.flatten()] = float("nan")
+        return reduce(scratch, out, weight, query_start_loc, plan, seq_lens, window)
+
+    monkeypatch.setattr(split_kv, "reduce_splits_o_proj", poisoned)
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    context=st.integers(0, 200),
+    num_splits=st.integers(2, 8),
+    window=st.sampled_from([None, 5, 40, 120]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_token_folded_reduction_reads_only_the_splits_with_keys(
+    context, num_splits, window, seed
+):
+    """A launch of one token (the engine's fold) skips the splits the attention launch
+    left without keys: their scratch rows, NaN here, are never read; the rows equal
+    attention then the matmul, with and without a sliding window."""
+    case = make_case(
+        [(context, 1)], num_heads=8, num_kv_heads=2, head_size=64, block_size=16, seed=seed
+    )
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(40, 8 * 64, generator=gen) / 16
+    plan = case.plan(num_splits)
+    attn = run_kernel(case, plan, scale=0.1, window=window)
+    with pytest.MonkeyPatch.context() as mp:
+        _poison_splits(
+            mp,
+            lambda p, n: range(_filled_splits(n, p.num_splits, p.tiles.tile_n, window), num_splits),
+        )
+        out = _folded(case, plan, weight, scale=0.1, window=window)
+    assert rel_err(out, attn.reshape(1, -1) @ weight.T) < 1e-5
+
+
+def test_the_poison_reaches_a_split_with_keys(monkeypatch):
+    """The check above can fail: NaN in the last split that holds keys turns the rows NaN.
+    129 keys in 32-key tiles over 8 splits: 5 splits of one tile each hold keys, 3 none."""
+    case = make_case([(128, 1)], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+    plan = case.plan(8)
+    assert plan.tiles.tile_n == 32 and _filled_splits(129, 8, 32, None) == 5
+    weight = torch.randn(40, 8 * 64) / 16
+    _poison_splits(monkeypatch, lambda p, n: [4])
+    assert _folded(case, plan, weight, scale=0.1).isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -172,6 +172,8 @@ def reduce_splits_o_proj(
     weight: torch.Tensor,  # [N, Hq * D], o_proj's weight
     query_start_loc: torch.Tensor,  # [R + 1] int32
     plan: AttentionPlan,
+    seq_lens: torch.Tensor,  # [R] int32
+    sliding_window: int = 0,  # the attention launch's (0: none)
 ) -> None:
     """Merge the partial results of every real token and multiply them by o_proj's weight
     in the same launch: ``out[t] += merged[t] @ weight.T``, each program adding one KV
@@ -180,7 +182,14 @@ def reduce_splits_o_proj(
 
     The merged rows are rounded to the weight's dtype first, as the attention output is
     stored before o_proj reads it. The adds of the KV heads land in no fixed order, so the
-    sum's last bits can differ from run to run."""
+    sum's last bits can differ from run to run.
+
+    A launch of one token (the engine's fold: a decode step of one request) reads only the
+    splits that hold keys: the token is its request's last, so its keys are the sequence's
+    (its window's) and the attention launch's ``_split_range`` gives each split whole tiles
+    of them; the kernel works out from the sequence length, before its PDL wait, how many
+    splits that leaves non-empty (5 of 16 at 513 keys in 128-key tiles) and masks the
+    others' loads."""
     pdl = launch_options(out.device)
     n = weight.shape[0]
     block_n = o_proj_block_n(plan.group_pad, plan.head_size)  # checked by the launch's caller
@@ -190,11 +199,15 @@ def reduce_splits_o_proj(
         weight,
         out,
         query_start_loc,
+        seq_lens,
         plan.num_reqs,
         n,
         weight.stride(0),
         out.stride(0),
+        sliding_window,
         NUM_SPLITS=plan.num_splits,
+        TILE_N=plan.tiles.tile_n,
+        ONE_TOKEN=plan.num_tokens == 1,
         GROUP=plan.group,
         G_PAD=plan.group_pad,
         HEAD_SIZE=plan.head_size,
@@ -346,11 +359,15 @@ def _reduce_o_proj_kernel(
     w_ptr,  # [N, Hq * D]
     y_ptr,  # [T, N] fp32, zero before the launch
     query_start_loc_ptr,
+    seq_lens_ptr,
     num_reqs,
     num_rows,  # N, o_proj's output columns
     stride_wn,
     stride_yt,
+    window,  # the attention launch's sliding window, 0 for none
     NUM_SPLITS: tl.constexpr,  # a constexpr: the loops over the splits unroll, loads all in flight
+    TILE_N: tl.constexpr,  # the attention launch's key tile: its splits hold whole tiles
+    ONE_TOKEN: tl.constexpr,  # the launch's one token is its request's last: skip empty splits
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -376,6 +393,14 @@ def _reduce_o_proj_kernel(
         other=0.0,
     )  # [BN, G, D]
     end = tl.load(query_start_loc_ptr + num_reqs)  # padding tokens past it stay zero
+    if ONE_TOKEN:  # the splits with keys, as the attention launch cut [lo, seq_len) into them
+        seq_len = tl.load(seq_lens_ptr)  # staged before the step's first kernel, as ``end``
+        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+        span = tl.maximum(seq_len - lo, 0)
+        seg = tl.cdiv(tl.cdiv(span, NUM_SPLITS), TILE_N) * TILE_N
+        filled = tl.zeros([G_PAD], tl.int32) + tl.cdiv(span, tl.maximum(seg, 1))  # 0: no keys
+    else:  # (a [G] vector either way: the interpreter cannot mask by a broadcast scalar)
+        filled = tl.full([G_PAD], NUM_SPLITS, tl.int32)
     if PDL:  # let the next kernel in now, then wait for the partial results
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -383,17 +408,21 @@ def _reduce_o_proj_kernel(
         first = (t * num_heads + head.to(tl.int64)) * NUM_SPLITS  # [G] split 0's row
         top = tl.full([G_PAD], float("-inf"), tl.float32)
         for split in tl.static_range(NUM_SPLITS):
-            lse = tl.load(part_lse_ptr + first + split, mask=g < GROUP, other=float("-inf"))
+            have = (g < GROUP) & (split < filled)  # [G]; an empty split's lse is -inf
+            lse = tl.load(part_lse_ptr + first + split, mask=have, other=float("-inf"))
             top = tl.maximum(top, lse)
         top = tl.where(top > float("-inf"), top, 0.0)  # no key at all: every weight is 0
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         total = tl.zeros([G_PAD], tl.float32)
         for split in tl.static_range(NUM_SPLITS):  # in split order, as the reduction sums
             row = first + split
-            lse = tl.load(part_lse_ptr + row, mask=g < GROUP, other=float("-inf"))
+            have = (g < GROUP) & (split < filled)
+            lse = tl.load(part_lse_ptr + row, mask=have, other=float("-inf"))
             weight = tl.exp2(lse - top)  # 1 for the largest split, 0 for empty ones
-            part = tl.load(
-                part_out_ptr + row[:, None] * HEAD_SIZE + d[None, :], mask=gd_ok, other=0.0
+            part = tl.load(  # an empty split's rows are zeros
+                part_out_ptr + row[:, None] * HEAD_SIZE + d[None, :],
+                mask=gd_ok & have[:, None],
+                other=0.0,
             )
             acc += part * weight[:, None]
             total += weight

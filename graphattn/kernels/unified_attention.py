@@ -160,7 +160,9 @@ def unified_attention(
         **pdl,
     )
     if o_proj is not None:
-        split_kv.reduce_splits_o_proj(scratch, o_proj[1], o_proj[0], query_start_loc, plan)
+        split_kv.reduce_splits_o_proj(
+            scratch, o_proj[1], o_proj[0], query_start_loc, plan, seq_lens, sliding_window or 0
+        )
         return o_proj[1]
     if plan.num_splits > 1 and not merge:
         split_kv.reduce_splits(scratch, output, query_start_loc, plan)
