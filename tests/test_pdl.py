@@ -452,7 +452,8 @@ def _pdl_kernels() -> set[str]:
 def test_pdl_kernels_read_before_the_wait_only_what_no_earlier_kernel_writes():
     """Every kernel launched with PDL, on each of its paths: the GEMVs read their first weight
     tile before the wait, decode attention its metadata, the reduction with o_proj folded in
-    its weight tile and the batch's end; a mixed batch's attention, the split-KV reduction
+    its weight tile, the batch's end and (at one token) its sequence length; a mixed batch's
+    attention, the split-KV reduction
     and the argmax's two passes read nothing before it; hints are allowed everywhere."""
     attention = attention_module._attention_kernel
     cases = [
@@ -461,8 +462,18 @@ def test_pdl_kernels_read_before_the_wait_only_what_no_earlier_kernel_writes():
         (attention, {"PDL": True, "WRITE_KV": True}, DECODE_ATTENTION_EARLY),
         (attention, {"PDL": True, "WRITE_KV": False}, set()),
         (split_kv_module._reduce_kernel, {"PDL": True}, set()),
-        # the folded o_proj: its weight tile and the batch's end (metadata)
-        (split_kv_module._reduce_o_proj_kernel, {"PDL": True}, {"w_ptr", "query_start_loc_ptr"}),
+        # the folded o_proj: its weight tile, the batch's end and, at one token, its sequence
+        # length (metadata)
+        (
+            split_kv_module._reduce_o_proj_kernel,
+            {"PDL": True, "ONE_TOKEN": True},
+            {"w_ptr", "query_start_loc_ptr", "seq_lens_ptr"},
+        ),
+        (
+            split_kv_module._reduce_o_proj_kernel,
+            {"PDL": True, "ONE_TOKEN": False},
+            {"w_ptr", "query_start_loc_ptr"},
+        ),
         (argmax_module._chunk_argmax_kernel, {"PDL": True}, set()),
         (argmax_module._row_argmax_kernel, {"PDL": True}, set()),
     ]

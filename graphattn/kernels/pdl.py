@@ -21,7 +21,8 @@ The kernels that use it, and how:
 - mixed-batch attention and the split-KV reduction (``split_kv.py``): every read after the
   wait (a mixed batch's cache may come from the write kernel just before);
 - the opt-in reduction with o_proj folded in (``split_kv.reduce_splits_o_proj``): before
-  the wait its weight tile (a parameter) and the batch's end (metadata); the partial
+  the wait its weight tile (a parameter), the batch's end and, in a launch of one token,
+  that token's sequence length (metadata, read as decode attention reads it); the partial
   results after it, and its atomic adds into the row that the attention launch zeroed
   after its own wait;
 - the argmax's two passes (``argmax.py``, ``graphattn.greedy`` after the head): every read

@@ -220,6 +220,14 @@ def reduce_splits_o_proj(
 
 
 @triton.jit
+def split_segment(span, num_splits, TILE_N: tl.constexpr):
+    """Keys each split takes of a tile's ``span`` keys: whole key tiles, so the last split
+    that holds keys is shorter and any after it empty (the attention launch's
+    ``_split_range``; the folded reduction counts the filled splits by it)."""
+    return tl.cdiv(tl.cdiv(span, num_splits), TILE_N) * TILE_N
+
+
+@triton.jit
 def store_partial(
     part_out_ptr,
     part_lse_ptr,
@@ -395,9 +403,11 @@ def _reduce_o_proj_kernel(
     end = tl.load(query_start_loc_ptr + num_reqs)  # padding tokens past it stay zero
     if ONE_TOKEN:  # the splits with keys, as the attention launch cut [lo, seq_len) into them
         seq_len = tl.load(seq_lens_ptr)  # staged before the step's first kernel, as ``end``
-        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+        # the token's keys [lo, seq_len): its position is seq_len - 1 (the attention tile's
+        # first and only query position, hence the tile's lo and hi)
+        lo = tl.where(window > 0, tl.maximum(seq_len - 1 - window + 1, 0), 0)
         span = tl.maximum(seq_len - lo, 0)
-        seg = tl.cdiv(tl.cdiv(span, NUM_SPLITS), TILE_N) * TILE_N
+        seg = split_segment(span, NUM_SPLITS, TILE_N)
         filled = tl.zeros([G_PAD], tl.int32) + tl.cdiv(span, tl.maximum(seg, 1))  # 0: no keys
     else:  # (a [G] vector either way: the interpreter cannot mask by a broadcast scalar)
         filled = tl.full([G_PAD], NUM_SPLITS, tl.int32)

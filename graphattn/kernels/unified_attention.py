@@ -41,7 +41,7 @@ from graphattn.kernels.checks import (
 from graphattn.kernels.kv_cache_write import check_write_args
 from graphattn.kernels.pdl import launch_options
 from graphattn.kernels.prefetch import LINE_BYTES, prefetch_l2
-from graphattn.kernels.split_kv import merge_if_last, store_partial
+from graphattn.kernels.split_kv import merge_if_last, split_segment, store_partial
 
 LOG2E = math.log2(math.e)
 
@@ -505,9 +505,8 @@ def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr)
 @triton.jit
 def _split_range(lo, hi, TILE_N: tl.constexpr):
     """This program's segment of [lo, hi): equal whole tiles per split, the last one shorter."""
-    num_splits = tl.num_programs(2)
     span = tl.maximum(hi - lo, 0)
-    seg = tl.cdiv(tl.cdiv(span, num_splits), TILE_N) * TILE_N
+    seg = split_segment(span, tl.num_programs(2), TILE_N)
     start = lo + tl.program_id(2) * seg
     return start, tl.minimum(start + seg, hi)
 
