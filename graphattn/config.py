@@ -97,8 +97,8 @@ class CompileConfig:
         debug: extra checks (input addresses at replay, recompiles raise, a warm start
             traces anyway and compares with the trace cache's graph, the first step
             wrote each backend's KV cache, no block is used at two entries of a step's
-            block tables and, while the engine's allocator lends blocks, every block a step
-            uses is allocated and at the entry of its last use).
+            block tables and, once blocks were taken with engine.kv_cache.allocate, every
+            block a step uses is allocated and at the entry of its last use).
     """
 
     max_num_seqs: int = 128

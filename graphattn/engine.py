@@ -41,6 +41,7 @@ from graphattn.kv_cache import (
     KVCache,
     KVCacheGroup,
     MLAAttentionSpec,
+    SlidingWindowSpec,
     group_layers_by_spec,
 )
 from graphattn.model_contract import call_error, output_error
@@ -459,6 +460,7 @@ class CompiledModel:
             c.num_blocks,
             _declared_vocab(self.model),
             self.kv_cache.allocator if c.debug else None,
+            _read_window(self.kv_cache),
         )
 
     def _make_report(self, seconds: float) -> Report:
@@ -589,6 +591,14 @@ def _input_staging() -> tuple[str, str | None]:
         logger.warning("input staging: three memcpy nodes instead of one kernel (%s)", note)
         return "copies", note
     return staging, None
+
+
+def _read_window(kv_cache: KVCache) -> int | None:
+    """How far back any layer reads: the largest window where every layer slides, else None."""
+    specs = [g.spec for g in kv_cache.groups]
+    if specs and all(isinstance(s, SlidingWindowSpec) for s in specs):
+        return max(s.sliding_window for s in specs)
+    return None
 
 
 def _inference_mode() -> Any:

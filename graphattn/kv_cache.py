@@ -156,8 +156,12 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops the lowest ids first
+        # a stack: the lowest ids first, then the most recently freed (in the order freed)
+        self._free = list(range(num_blocks - 1, -1, -1))
         self._in_use = np.zeros(num_blocks, dtype=bool)
+        # whether the caller took blocks with allocate (debug's checks against the allocator
+        # start then; ``generate`` puts it back as it was, since it frees what it took)
+        self.handed_out = False
         # debug=True's record of where each allocated block sits: the block-table entry (the
         # block's place in its sequence) at which a step last used it, -1 where no step has
         # since its allocate. validation.py writes it after a step's checks pass; allocate
@@ -167,13 +171,6 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-    @property
-    def lending(self) -> bool:
-        """Whether any block is allocated: while so, ``debug=True`` checks each step's blocks
-        against the allocator (a loop that runs its own allocator never calls ``allocate``,
-        or has freed every block it took)."""
-        return len(self._free) < self.num_blocks
 
     @property
     def in_use(self) -> np.ndarray:
@@ -194,6 +191,7 @@ class BlockAllocator:
         ids = [self._free.pop() for _ in range(n)]
         self._in_use[ids] = True
         self.entries[ids] = -1
+        self.handed_out = self.handed_out or n > 0
         return ids
 
     def free(self, block_ids: Iterable[int]) -> None:

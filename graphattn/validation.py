@@ -22,9 +22,13 @@ class BatchLimits:
     num_blocks: int
     vocab_size: int | None = None
     # debug=True: the engine's BlockAllocator, and the checks of every block a step uses
-    # (``_check_tables``). Off by default. Those against the allocator apply while it lends
-    # blocks: a caller may run its own allocator over the cache.
+    # (``_check_tables``). Off by default. Those against the allocator start at its first
+    # allocate: a caller may run its own allocator over the cache.
     allocator: Any = None
+    # How far back any layer reads: the largest sliding window where every layer has one,
+    # None where a layer attends to the whole sequence. debug=True's block checks skip the
+    # entries no layer reads (a loop may point them all at one null block, as vLLM does).
+    read_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,42 +76,49 @@ def check_step(batch: Batch, limits: BatchLimits) -> CheckedBatch:
         _check_shapes(batch)
         checked = CheckedBatch(_check_general(batch, limits))
     if limits.allocator is not None:  # debug=True
-        _check_tables(batch, limits.allocator, checked.longest, limits.block_size)
+        _check_tables(batch, limits, checked.longest)
     return checked
 
 
-def _check_tables(batch: Batch, allocator: Any, longest: int, block_size: int) -> None:
-    """``debug=True``'s checks of the blocks a step uses (every entry below a request's
-    ``num_computed_tokens + query length``), the last of ``check_step``. A block holds the
-    keys and values of one range of positions, its entry in a block table, so:
+def _check_tables(batch: Batch, limits: BatchLimits, longest: int) -> None:
+    """``debug=True``'s checks of the blocks a step uses: every entry below a request's
+    ``num_computed_tokens + query length`` that a layer reads (under sliding windows alone,
+    not those wholly before the earliest window: ``limits.read_window``). The last of
+    ``check_step``. A block holds the keys and values of one range of positions, its entry
+    in a block table, so:
 
     - within the step, a block is used at one entry: a request naming one block at two
       entries, or two requests using one block at different entries, is an error whether
       they write it or only read it (the checks without debug look only at blocks the step
       writes twice);
-    - while the engine's allocator lends blocks (``allocate`` has handed out blocks not all
-      freed again), each block used is allocated (not a table kept after ``free``, not an id
-      never allocated) and at the entry where a step last used it since its ``allocate``:
-      a table kept after ``free`` whose blocks went to another request at other entries.
+    - once the engine's allocator has handed out a block (``allocate`` outside
+      ``generate``), each block used is allocated (not a table kept after ``free``, not an
+      id never allocated) and at the entry where a step last used it since its
+      ``allocate``: a table kept after ``free`` whose blocks went to another request at
+      other entries.
 
     Which blocks stand before a block is not checked: a prefix cache that finds its blocks
     by content (vLLM's) may give two requests equal prefixes in different blocks. When every
     check passes, the entries are recorded in the allocator (``BlockAllocator.entries``); a
     rejected batch records nothing.
     """
+    allocator, block_size = limits.allocator, limits.block_size
     width = -(-longest // block_size)
     table = batch.block_table[:, :width]
-    seq_lens = batch.num_computed_tokens.astype(np.int64) + batch.query_lens
-    used = np.arange(width)[None, :] < -(-seq_lens // block_size)[:, None]
-    lending = allocator.lending
-    if lending:
+    computed = batch.num_computed_tokens.astype(np.int64)
+    entry = np.arange(width)[None, :]
+    used = entry < -(-(computed + batch.query_lens) // block_size)[:, None]
+    if limits.read_window is not None:  # the first position the step's first token reads
+        used &= entry >= (np.maximum(computed - limits.read_window + 1, 0) // block_size)[:, None]
+    tracked = allocator.handed_out  # a loop that never calls allocate runs its own allocator
+    if tracked:
         _check_allocated(table, used, allocator.in_use)
     rows, entries = np.nonzero(used)  # the used places, row by row
     blocks = table[rows, entries].astype(np.int64)
     entries = entries.astype(np.int32)
     # one entry a block: scatter the entries by block (the last place wins) and read them
     # back; a place that reads another entry shares its block with a place at another entry
-    kept = np.empty(allocator.num_blocks, dtype=np.int32)
+    kept = np.empty(limits.num_blocks, dtype=np.int32)
     kept[blocks] = entries
     clash = kept[blocks] != entries
     if clash.any():
@@ -116,7 +127,7 @@ def _check_tables(batch: Batch, allocator: Any, longest: int, block_size: int) -
         second = int(alike[np.argmax(entries[alike] != entries[first])])
         places = sorted((int(rows[k]), int(entries[k])) for k in (first, second))
         _explain_clash(int(blocks[first]), *places)
-    if not lending:
+    if not tracked:
         return
     before = allocator.entries[blocks]
     moved = (before >= 0) & (before != entries)

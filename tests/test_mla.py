@@ -481,7 +481,6 @@ def test_triton_mla_through_the_engine_matches_dense_mla(monkeypatch):
         out = engine.step(ga.Batch.from_requests([s.request() for s in seqs]))
         assert rel_err(out, _expected(model, seqs)) < 1e-5
     assert max(splits) > 1  # the decodes ran split
-    assert engine.attn_groups[0].builder.scratch is scratch
 
 
 @pytest.mark.parametrize(
