@@ -957,6 +957,9 @@ def test_debug_accepts_what_a_correct_serving_loop_does_with_its_blocks():
     assert not own.kv_cache.allocator.handed_out
     own.step(ga.Batch.from_requests([ga.Request([1, 2, 3], 0, [7])]))
     own.step(ga.Batch.from_requests([ga.Request(list(range(20)), 0, [9, 7])]))
+    own.kv_cache.allocate(1)
+    own.generate([[1, 2, 3]], 2)
+    assert own.kv_cache.allocator.handed_out  # the caller's own allocate still counts
 
 
 def test_last_token_rows_are_the_rows_to_sample():
