@@ -19,7 +19,9 @@ from graphattn.kernels.unified_attention import unified_attention
 def _folded(case, plan, weight, *, scale, out=None, scratch=None, window=None):
     """The launch with o_proj folded: ``out`` poisoned with NaN first (the launch zeroes it)."""
     if out is None:
-        out = torch.empty(case.query.shape[0], weight.shape[0], dtype=torch.float32)
+        out = torch.empty(
+            case.query.shape[0], weight.shape[0], dtype=torch.float32, device=case.query.device
+        )
     out.fill_(float("nan"))
     if scratch is None:
         scratch = SplitScratch.allocate(
@@ -53,12 +55,12 @@ def _poison_splits(monkeypatch, splits_of):
     reduce = split_kv.reduce_splits_o_proj
 
     def poisoned(scratch, out, weight, query_start_loc, plan, seq_lens, window=0):
-        heads, s = plan.num_kv_heads * plan.group, plan.num_splits
+        heads, s, device = plan.num_kv_heads * plan.group, plan.num_splits, scratch.lse.device
+        dims = torch.arange(plan.head_size, device=device)
         for split in splits_of(plan, int(seq_lens[0])):
-            rows = torch.arange(heads) * s + split  # token 0's rows of that split
+            rows = torch.arange(heads, device=device) * s + split  # token 0's rows of the split
             scratch.lse[rows] = float("nan")
-            cells = rows[:, None] * plan.head_size + torch.arange(plan.head_size)
-            scratch.out[cells.flatten()] = float("nan")
+            scratch.out[(rows[:, None] * plan.head_size + dims).flatten()] = float("nan")
         return reduce(scratch, out, weight, query_start_loc, plan, seq_lens, window)
 
     monkeypatch.setattr(split_kv, "reduce_splits_o_proj", poisoned)
@@ -91,6 +93,28 @@ def test_one_token_folded_reduction_reads_only_the_splits_with_keys(
         )
         out = _folded(case, plan, weight, scale=0.1, window=window)
     assert rel_err(out, attn.reshape(1, -1) @ weight.T) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("context", [0, 1, 127, 512, 1500])
+def test_one_token_folded_reduction_skips_empty_splits_on_cuda(monkeypatch, context, window):
+    """The same on CUDA, compiled, with PDL, at the engine's split count for one token on
+    a GPU (16) and bf16: NaN in the empty splits' rows is never read."""
+    case = make_case(
+        [(context, 1)], num_heads=32, num_kv_heads=8, head_size=64, block_size=16,
+        dtype=torch.bfloat16, device="cuda", seed=context,
+    )  # fmt: skip
+    weight = (torch.randn(2048, 32 * 64, device="cuda") / 32).to(torch.bfloat16)
+    plan = case.plan(16)
+    attn = run_kernel(case, plan, scale=0.125, window=window)
+    _poison_splits(
+        monkeypatch,
+        lambda p, n: range(_filled_splits(n, p.num_splits, p.tiles.tile_n, window), 16),
+    )
+    out = _folded(case, plan, weight, scale=0.125, window=window)
+    expected = attn.reshape(1, -1).float() @ weight.float().T
+    assert rel_err(out, expected) < 2e-2
 
 
 def test_the_poison_reaches_a_split_with_keys(monkeypatch):
