@@ -184,12 +184,12 @@ def reduce_splits_o_proj(
     stored before o_proj reads it. The adds of the KV heads land in no fixed order, so the
     sum's last bits can differ from run to run.
 
-    A launch of one token (the engine's fold: a decode step of one request) reads only the
-    splits that hold keys: the token is its request's last, so its keys are the sequence's
-    (its window's) and the attention launch's ``_split_range`` gives each split whole tiles
-    of them; the kernel works out from the sequence length, before its PDL wait, how many
-    splits that leaves non-empty (5 of 16 at 513 keys in 128-key tiles) and masks the
-    others' loads."""
+    A launch of one token and one request (the engine's fold: a decode step of one request)
+    reads only the splits that hold keys: the token is its request's last, so its keys are
+    the sequence's (its window's) and the attention launch's ``_split_range`` gives each
+    split whole tiles of them; the kernel works out from the sequence length, before its
+    PDL wait, how many splits that leaves non-empty (5 of 16 at 513 keys in 128-key tiles)
+    and masks the others' loads."""
     pdl = launch_options(out.device)
     n = weight.shape[0]
     block_n = o_proj_block_n(plan.group_pad, plan.head_size)  # checked by the launch's caller
@@ -207,7 +207,7 @@ def reduce_splits_o_proj(
         sliding_window,
         NUM_SPLITS=plan.num_splits,
         TILE_N=plan.tiles.tile_n,
-        ONE_TOKEN=plan.num_tokens == 1,
+        ONE_TOKEN=plan.num_tokens == 1 and plan.num_reqs == 1,  # request 0's last token
         GROUP=plan.group,
         G_PAD=plan.group_pad,
         HEAD_SIZE=plan.head_size,
